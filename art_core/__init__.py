@@ -1,0 +1,43 @@
+"""art_core: GRPO + LoRA training for LLM agents, served through an OpenAI-compatible endpoint.
+
+Importing this package is cheap and has no side effects; heavy modules load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Trajectory": "art_core.types",
+    "TrajectoryGroup": "art_core.types",
+    "History": "art_core.types",
+    "Turn": "art_core.types",
+    "gather_trajectory_groups": "art_core.gather",
+    "gather_trajectories": "art_core.gather",
+    "iterate_dataset": "art_core.dataset",
+    "TrainConfig": "art_core.config",
+    "LossConfig": "art_core.loss",
+    "TrainableModel": "art_core.model",
+    "TrainResult": "art_core.backends.base",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from art_core.backends.base import TrainResult
+    from art_core.config import TrainConfig
+    from art_core.dataset import iterate_dataset
+    from art_core.gather import gather_trajectories, gather_trajectory_groups
+    from art_core.loss import LossConfig
+    from art_core.model import TrainableModel
+    from art_core.types import History, Trajectory, TrajectoryGroup, Turn
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'art_core' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

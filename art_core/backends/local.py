@@ -1,0 +1,106 @@
+"""`LocalBackend`: train and serve in this process, with the OpenAI server on a local port."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from art_core.backends.base import InferenceInfo, ProgressCallback, TrainResult
+from art_core.config import TrainConfig
+from art_core.engine import EngineConfig
+from art_core.server import ServerHandle, create_app, serve_in_thread
+from art_core.service import ModelService, ModelSpec
+from art_core.types import TrajectoryGroup
+
+if TYPE_CHECKING:
+    from art_core.model import TrainableModel
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+class LocalBackend:
+    """Runs the engine, the trainer and an OpenAI-compatible server inside this process.
+
+    The server binds 127.0.0.1 on a free port unless told otherwise. Bound anywhere else it
+    refuses to start without an explicit `api_key`. On loopback a random key is made per
+    backend; clients from `model.openai_client()` carry it.
+    """
+
+    def __init__(
+        self,
+        path: Path | str = ".art",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        engine_config: EngineConfig | None = None,
+    ) -> None:
+        if host not in LOOPBACK and not api_key:
+            raise ValueError(
+                f"refusing to serve on {host!r} without an api_key: pass api_key=... "
+                "(or bind 127.0.0.1, the default)"
+            )
+        self.service = ModelService(path, engine_config)
+        self.host, self.port = host, port
+        self.api_key = api_key or secrets.token_urlsafe(24)
+        self._server: ServerHandle | None = None
+
+    def _ensure_server(self) -> ServerHandle:
+        if self._server is None:
+            app = create_app(self.service, api_key=self.api_key)
+            self._server = serve_in_thread(app, host=self.host, port=self.port)
+        return self._server
+
+    @property
+    def base_url(self) -> str:
+        return self._ensure_server().url + "/v1"
+
+    async def register(self, model: TrainableModel) -> InferenceInfo:
+        spec = ModelSpec(
+            project=model.project,
+            name=model.name,
+            base_model=model.base_model,
+            lora_rank=model.lora_rank,
+            lora_alpha=model.lora_alpha,
+            trust_remote_code=model.trust_remote_code,
+        )
+        await asyncio.to_thread(self.service.register, spec)
+        server = self._ensure_server()
+        return InferenceInfo(base_url=server.url + "/v1", api_key=self.api_key, model_name=model.name)
+
+    async def train(
+        self,
+        model: TrainableModel,
+        groups: Sequence[TrajectoryGroup],
+        config: TrainConfig,
+        *,
+        on_progress: ProgressCallback | None = None,
+    ) -> TrainResult:
+        return await self.service.train(model.name, groups, config, on_progress)
+
+    async def get_step(self, model: TrainableModel) -> int:
+        return self.service.get(model.name).step
+
+    async def list_checkpoints(self, model: TrainableModel) -> list[int]:
+        return self.service.get(model.name).storage.steps()
+
+    async def delete_checkpoints(self, model: TrainableModel, keep: Iterable[int]) -> list[int]:
+        return self.service.delete_checkpoints(model.name, keep)
+
+    async def history(self, model: TrainableModel) -> list[dict[str, float]]:
+        return self.service.get(model.name).storage.read_history()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        self.service.close()
+
+    async def __aenter__(self) -> LocalBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

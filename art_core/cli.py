@@ -1,0 +1,107 @@
+"""The `art` command: `art demo` trains the embedded default model; `art runs` lists runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL for the LLM agents you already have.")
+console = Console(stderr=True)
+
+
+@app.command()
+def demo(
+    model: Annotated[str, typer.Option(help="Base model: alias, HF folder, .gguf file or cached hub id.")] = (
+        "smollm2-135m"
+    ),
+    steps: Annotated[int, typer.Option(help="Training steps.")] = 30,
+    group_size: Annotated[int, typer.Option(help="Rollouts per scenario.")] = 8,
+    scenarios_per_step: Annotated[int, typer.Option(help="Scenarios (groups) per step.")] = 4,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per reply.")] = 24,
+    learning_rate: Annotated[float, typer.Option(help="LoRA learning rate.")] = 3e-4,
+    path: Annotated[Path, typer.Option(help="Where checkpoints and history go.")] = Path(".art"),
+    name: Annotated[str, typer.Option(help="Model name (resumes if it exists).")] = "demo-001",
+    plot: Annotated[Path, typer.Option(help="Reward-curve PNG to write.")] = Path("demo_reward.png"),
+    as_json: Annotated[bool, typer.Option("--json", help="End with a one-line JSON summary.")] = False,
+) -> None:
+    """Train SmolLM2-135M-Instruct (on CPU) to recommend bananas, and show the reward rise."""
+    from art_core.demo import DemoConfig, run_demo
+    from art_core.plotting import plot_reward_curve
+
+    _quiet_logs()
+    config = DemoConfig(
+        base_model=model,
+        steps=steps,
+        group_size=group_size,
+        scenarios_per_step=scenarios_per_step,
+        max_tokens=max_tokens,
+        learning_rate=learning_rate,
+        path=path,
+        name=name,
+    )
+    with Progress(
+        TextColumn("[bold]art demo"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("loading model…", total=steps)
+
+        def on_step(step: int, reward: float, seconds: float) -> None:
+            progress.update(task, completed=step, description=f"reward {reward:.2f}")
+
+        summary = asyncio.run(run_demo(config, on_step))
+    history = [{"step": i + 1, "train/reward": r} for i, r in enumerate(summary.rewards)]
+    plot_reward_curve(history, plot, title=f"art demo: {model}")
+    console.print(
+        f"reward {summary.first_reward:.2f} (first {min(5, summary.steps)} steps) -> "
+        f"{summary.last_reward:.2f} (last {min(5, summary.steps)}) in {summary.steps} steps, "
+        f"{summary.seconds:.0f} s. Curve: {plot}; checkpoints: {path / 'demo' / 'models' / name}"
+    )
+    if as_json:
+        fields = {k: v for k, v in asdict(summary).items() if k != "rewards"}
+        print(json.dumps(fields))
+
+
+@app.command()
+def runs(path: Annotated[Path, typer.Option(help="The storage folder.")] = Path(".art")) -> None:
+    """List the models stored under PATH with their latest step and reward."""
+    from art_core.checkpoints import ModelStorage
+
+    found = False
+    for model_dir in sorted(path.glob("*/models/*")):
+        storage = ModelStorage(model_dir)
+        history = storage.read_history()
+        last = history[-1] if history else {}
+        reward = last.get("train/reward")
+        shown = f"{reward:.3f}" if isinstance(reward, (int, float)) else "-"
+        console.print(f"{model_dir.parent.parent.name}/{model_dir.name}: step {storage.latest_step()}, reward {shown}")
+        found = True
+    if not found:
+        console.print(f"no runs under {path}")
+
+
+def _quiet_logs() -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[RichHandler(console=console)])
+    for noisy in ("httpx", "transformers", "peft", "uvicorn", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

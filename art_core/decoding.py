@@ -1,0 +1,179 @@
+"""Decoding one padded batch: the per-row state and the prefill + token-by-token loop.
+
+`DecodeBatch` left-pads the prompts of its rows, prefills them into a transformers
+`DynamicCache` and decodes one token per step for every row until all rows have finished,
+under whatever grad/eval mode the caller set (the engine uses `torch.inference_mode` and eval
+mode). With a peft model it passes `adapter_names` (one per row, "__base__" for the base model)
+to every forward, so rows with different LoRA adapters share the batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from art_core.sampling import SamplingParams, find_stop, sample_next, stop_window_tokens
+
+BASE_ADAPTER = "__base__"
+"""peft's name for "no adapter" in a mixed-adapter batch."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion."""
+
+    token_ids: list[int]
+    """Sampled ids, including the final eos/stop token if one was sampled."""
+    logprobs: list[float]
+    """Raw log-softmax (temperature 1, before top-p) of each sampled id under the serving policy:
+    what the trainer's importance correction compares against (fp32: equal to ~1e-5)."""
+    top_logprobs: list[list[tuple[int, float]]]
+    """Per sampled position, the `params.top_logprobs` most likely (id, logprob) pairs (empty lists if 0)."""
+    text: str
+    """Decoded completion, without the final eos/stop token and without the stop string (if hit)."""
+    finish_reason: str
+    """"stop" (eos, a stop id or a stop string) or "length" (max_tokens or the context window)."""
+
+
+@dataclass(eq=False)
+class RowState:
+    """One completion being decoded: its request, its sampler and what it sampled so far."""
+
+    job: Any
+    """The engine's request record (opaque here)."""
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None
+    max_new: int
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def push(self, token: int, logprob: float, top: list[tuple[int, float]], tokenizer: Any) -> None:
+        """Record a sampled token and decide whether the row is finished."""
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.top.append(top)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif self.params.stop and self._tail_has_stop(tokenizer):
+            self.finish_reason = "stop"
+        elif len(self.token_ids) >= self.max_new:
+            self.finish_reason = "length"
+
+    def _tail_has_stop(self, tokenizer: Any) -> bool:
+        tail = self.token_ids[-stop_window_tokens(self.params.stop) :]
+        return find_stop(_decode(tokenizer, tail), self.params.stop) is not None
+
+    def completion(self, tokenizer: Any) -> Completion:
+        ids = self.token_ids
+        if self.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
+        text = _decode(tokenizer, ids)
+        cut = find_stop(text, self.params.stop)
+        return Completion(
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs),
+            top_logprobs=list(self.top),
+            text=text if cut is None else text[:cut],
+            finish_reason=self.finish_reason or "length",
+        )
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    return str(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+
+def cache_kwarg(model: Any) -> str:
+    """The forward argument that takes the KV cache: `cache` (transformers >= 5.24) or `past_key_values`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+class DecodeBatch:
+    """One left-padded batch: prefill, then token-by-token decoding with a DynamicCache."""
+
+    def __init__(self, model: Any, tokenizer: Any, rows: list[RowState], use_adapter_names: bool) -> None:
+        self.model, self.tokenizer, self.rows = model, tokenizer, list(rows)
+        self.use_adapter_names = use_adapter_names
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        width = max(len(r.prompt_ids) for r in rows)
+        self.input_ids = torch.full((len(rows), width), int(pad), dtype=torch.long)
+        self.mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            self.input_ids[i, width - len(row.prompt_ids) :] = torch.tensor(row.prompt_ids, dtype=torch.long)
+            self.mask[i, width - len(row.prompt_ids) :] = 1
+        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        self.temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
+        self.top_ps = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
+        self.adapter_names = [r.adapter or BASE_ADAPTER for r in rows]
+        self.cache = DynamicCache(config=model.config)
+        self.cache_kwarg = cache_kwarg(model)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] (float32) of the last position, extending the cache."""
+        kwargs: dict[str, Any] = {self.cache_kwarg: self.cache}
+        if self.use_adapter_names:
+            kwargs["adapter_names"] = self.adapter_names
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=self.mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **kwargs,
+        )
+        return out.logits[:, -1, :].float()
+
+    def run(self, prune_fraction: float) -> None:
+        """Decode until every row has finished."""
+        logits = self.forward(self.input_ids, self.positions)
+        last = self.positions[:, -1]
+        while True:
+            next_ids = self.step(logits)
+            live = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
+            if not live:
+                return
+            if len(self.rows) - len(live) >= prune_fraction * len(self.rows):
+                keep = torch.tensor(live, dtype=torch.long)
+                self.select(keep)
+                next_ids, last = next_ids[keep], last[keep]
+            self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
+            last = last + 1
+            logits = self.forward(next_ids[:, None], last[:, None])
+
+    def step(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sample one token per row and record it (with its logprobs) on the unfinished rows."""
+        next_ids = sample_next(logits, self.temps, self.top_ps, [r.generator for r in self.rows])
+        logp = torch.log_softmax(logits, dim=-1)
+        chosen = logp.gather(1, next_ids[:, None])[:, 0].tolist()
+        k = max(r.params.top_logprobs for r in self.rows)
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if k:
+            values, indices = logp.topk(k, dim=-1)
+            top_vals, top_ids = values.tolist(), indices.tolist()
+        for i, (row, token) in enumerate(zip(self.rows, next_ids.tolist(), strict=True)):
+            if row.finish_reason is not None:
+                continue
+            kr = row.params.top_logprobs
+            top = list(zip(top_ids[i][:kr], top_vals[i][:kr], strict=True)) if kr else []
+            row.push(token, chosen[i], top, self.tokenizer)
+        return next_ids
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only rows `keep` (drops finished rows from the cache and every per-row tensor)."""
+        self.cache.batch_select_indices(keep)
+        self.mask = self.mask[keep]
+        self.temps, self.top_ps = self.temps[keep], self.top_ps[keep]
+        kept = keep.tolist()
+        self.rows = [self.rows[i] for i in kept]
+        self.adapter_names = [self.adapter_names[i] for i in kept]

@@ -1,0 +1,134 @@
+"""`TrainableModel`: the user's handle on a model being trained (ART's names and shape)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from art_core.backends.base import Backend, InferenceInfo, ProgressCallback, TrainResult
+from art_core.checkpoints import validate_name
+from art_core.config import TrainConfig
+from art_core.types import TrajectoryGroup
+
+logger = logging.getLogger(__name__)
+
+
+class NotRegisteredError(RuntimeError):
+    """The model was used before `await model.register(backend)`."""
+
+
+class TrainableModel:
+    """A LoRA on top of `base_model`, served for rollouts and trained on their trajectories.
+
+    ```python
+    model = TrainableModel(project="demo", name="agent-001", base_model="smollm2-135m")
+    await model.register(LocalBackend())
+    client = model.openai_client()
+    ...
+    result = await model.train(groups, config=TrainConfig(learning_rate=1e-5))
+    ```
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        project: str,
+        base_model: str,
+        lora_rank: int = 8,
+        lora_alpha: int = 16,
+        trust_remote_code: bool = False,
+    ) -> None:
+        self.name = validate_name(name, "model name")
+        self.project = validate_name(project, "project")
+        self.base_model = base_model
+        self.lora_rank = lora_rank
+        self.lora_alpha = lora_alpha
+        self.trust_remote_code = trust_remote_code
+        self._backend: Backend | None = None
+        self._info: InferenceInfo | None = None
+        self._client: Any = None
+
+    def __repr__(self) -> str:
+        return f"TrainableModel(project={self.project!r}, name={self.name!r}, base_model={self.base_model!r})"
+
+    async def register(self, backend: Backend) -> None:
+        """Load the model on `backend` (resuming from its latest checkpoint) and start serving it."""
+        self._info = await backend.register(self)
+        self._backend = backend
+        self._client = None
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            raise NotRegisteredError(f"{self!r} is not registered: call `await model.register(backend)` first")
+        return self._backend
+
+    @property
+    def inference(self) -> InferenceInfo:
+        if self._info is None:
+            raise NotRegisteredError(f"{self!r} is not registered: call `await model.register(backend)` first")
+        return self._info
+
+    @property
+    def inference_base_url(self) -> str:
+        return self.inference.base_url
+
+    @property
+    def inference_api_key(self) -> str:
+        return self.inference.api_key
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        """`name` serves the latest weights; `name@step` a given checkpoint."""
+        return self.name if step is None else f"{self.name}@{step}"
+
+    def openai_client(self) -> Any:
+        """An `openai.AsyncOpenAI` pointed at our server (cached)."""
+        if self._client is None:
+            from openai import AsyncOpenAI
+
+            info = self.inference
+            self._client = AsyncOpenAI(base_url=info.base_url, api_key=info.api_key, timeout=1200, max_retries=0)
+        return self._client
+
+    def litellm_completion_params(self, step: int | None = None) -> dict[str, Any]:
+        """Keyword arguments for `litellm.completion`/`acompletion` that reach this model."""
+        info = self.inference
+        return {
+            "model": f"openai/{self.get_inference_name(step)}",
+            "api_base": info.base_url,
+            "api_key": info.api_key,
+            "temperature": 1.0,
+        }
+
+    async def train(
+        self,
+        groups: Iterable[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        *,
+        on_progress: ProgressCallback | None = None,
+    ) -> TrainResult:
+        """One GRPO step on `groups`; the server serves the new LoRA as soon as it returns."""
+        result = await self.backend.train(self, list(groups), config or TrainConfig(), on_progress=on_progress)
+        if not result.trained:
+            logger.warning("train step trained nothing: %s", "; ".join(result.warnings) or "no examples")
+        return result
+
+    async def get_step(self) -> int:
+        return await self.backend.get_step(self)
+
+    async def history(self) -> list[dict[str, float]]:
+        return await self.backend.history(self)
+
+    async def list_checkpoints(self) -> list[int]:
+        return await self.backend.list_checkpoints(self)
+
+    async def delete_checkpoints(self, best_checkpoint_metric: str = "train/reward") -> list[int]:
+        """Delete every checkpoint but the latest and the best by `best_checkpoint_metric`."""
+        history = await self.history()
+        scored = [(float(h[best_checkpoint_metric]), int(h["step"])) for h in history if best_checkpoint_metric in h]
+        keep = {await self.get_step()}
+        if scored:
+            keep.add(max(scored)[1])
+        return await self.backend.delete_checkpoints(self, keep)

@@ -1,0 +1,472 @@
+"""The OpenAI-compatible HTTP server: `/v1/chat/completions`, `/v1/models`, `/health`.
+
+Every choice carries, beside OpenAI's fields, the exact tokens it came from: `prompt_token_ids`,
+`token_ids` (sampled, including the final eos), `token_logprobs` (aligned with `token_ids`) and
+`served_model` (the name the client asked for, e.g. "agent-001@3"). Errors use OpenAI's JSON
+shape `{"error": {"message", "type", "param", "code"}}`: unknown model 404, bad parameters and
+prompts that do not fit 400, a wrong API key 401, engine failures 500.
+
+Left out for now: streaming, `tool_choice` "required" or a named function, and
+`response_format` other than text (all answered with a 400 that says so).
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from art_core.chat_template import parse_tool_calls, render_prompt
+from art_core.engine import (
+    Completion,
+    ContextLengthError,
+    Engine,
+    EngineClosedError,
+    GenerationRequest,
+    UnknownAdapterError,
+)
+from art_core.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+# -- routing ------------------------------------------------------------------------------------
+
+
+class UnknownModelError(KeyError):
+    """No served model has the requested name."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown model"
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What a model name resolves to."""
+
+    engine: Engine
+    """The engine that generates for it."""
+    tokenizer: Any
+    """Its tokenizer (renders the chat template, decodes tokens)."""
+    adapter: str | None
+    """The engine adapter to sample with; None = the base model."""
+    max_context: int
+    """Prompt + completion token limit."""
+
+
+class ModelRouter(Protocol):
+    """Maps the `model` of a request to a served model."""
+
+    def resolve(self, name: str) -> ServedModel:
+        """The served model called `name`; raises UnknownModelError."""
+        ...
+
+    def model_names(self) -> list[str]:
+        """Names listed by `/v1/models`."""
+        ...
+
+
+class StaticRouter:
+    """A fixed name -> ServedModel mapping."""
+
+    def __init__(self, models: Mapping[str, ServedModel]) -> None:
+        self._models = dict(models)
+
+    def resolve(self, name: str) -> ServedModel:
+        if name not in self._models:
+            raise UnknownModelError(
+                f"The model {name!r} does not exist; served models: {sorted(self._models)}"
+            )
+        return self._models[name]
+
+    def model_names(self) -> list[str]:
+        return list(self._models)
+
+
+# -- request body -------------------------------------------------------------------------------
+
+
+class ChatMessage(BaseModel):
+    """One OpenAI chat message; extra keys (tool_calls, tool_call_id, name) are kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """The body of `POST /v1/chat/completions`; unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    stream: bool | None = False
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's JSON shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def check_supported(req: ChatCompletionRequest) -> None:
+    """Reject (400) what this server does not implement yet."""
+    if req.stream:
+        raise APIError(400, "streaming not supported yet; send stream=false", param="stream")
+    if req.tool_choice not in (None, "auto", "none"):
+        raise APIError(
+            400,
+            "tool_choice 'required' or a named function is not supported yet; use 'auto' or 'none'",
+            param="tool_choice",
+        )
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise APIError(
+            400,
+            f"response_format {req.response_format.get('type')!r} is not supported yet; only 'text'",
+            param="response_format",
+        )
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+
+
+def request_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as plain dicts for the chat template ("developer" becomes "system")."""
+    out = []
+    for message in req.messages:
+        m = message.model_dump(exclude_none=True)
+        if m["role"] == "developer":
+            m["role"] = "system"
+        out.append(m)
+    return out
+
+
+def sampling_params(
+    req: ChatCompletionRequest, tokenizer: Any, prompt_len: int, max_context: int
+) -> SamplingParams:
+    """SamplingParams for the request; max_tokens defaults to the rest of the context window."""
+    room = max(1, max_context - prompt_len)
+    requested = req.max_completion_tokens or req.max_tokens
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    eos = getattr(tokenizer, "eos_token_id", None)
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            max_tokens=min(requested or room, room),
+            stop=stop,
+            stop_token_ids=() if eos is None else (int(eos),),
+            seed=req.seed,
+            top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+# -- response -----------------------------------------------------------------------------------
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: printable stand-in character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The raw bytes of one token (exact for byte-level BPE; else its decoded text as UTF-8)."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    table = _byte_decoder()
+    if isinstance(piece, str) and piece and all(ch in table for ch in piece):
+        return bytes(table[ch] for ch in piece)
+    return str(tokenizer.decode([token_id], skip_special_tokens=False)).encode("utf-8")
+
+
+def _token_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
+    raw = token_bytes(tokenizer, token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def logprobs_content(completion: Completion, tokenizer: Any) -> dict[str, Any]:
+    """OpenAI's `choice.logprobs`: one entry per sampled token, with its top alternatives."""
+    content = []
+    for token_id, logprob, top in zip(
+        completion.token_ids, completion.logprobs, completion.top_logprobs, strict=True
+    ):
+        entry = _token_entry(tokenizer, token_id, logprob)
+        entry["top_logprobs"] = [_token_entry(tokenizer, i, lp) for i, lp in top]
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+def build_choice(
+    index: int,
+    completion: Completion,
+    tokenizer: Any,
+    *,
+    prompt_ids: list[int],
+    served_model: str,
+    with_logprobs: bool = False,
+    parse_tools: bool = False,
+) -> dict[str, Any]:
+    """One OpenAI choice dict (plus our token fields) for a completion; pure."""
+    content: str | None = completion.text
+    tool_calls: list[dict[str, Any]] = []
+    if parse_tools:
+        content, tool_calls = parse_tool_calls(completion.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {
+        "index": index,
+        "message": message,
+        "finish_reason": "tool_calls" if tool_calls else completion.finish_reason,
+        "logprobs": logprobs_content(completion, tokenizer) if with_logprobs else None,
+        "prompt_token_ids": list(prompt_ids),
+        "token_ids": list(completion.token_ids),
+        "token_logprobs": list(completion.logprobs),
+        "served_model": served_model,
+    }
+
+
+def build_response(model: str, choices: list[dict[str, Any]], prompt_len: int) -> dict[str, Any]:
+    """The ChatCompletion body around `choices`."""
+    completion_tokens = sum(len(c["token_ids"]) for c in choices)
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_len,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_len + completion_tokens,
+        },
+    }
+
+
+# -- app ----------------------------------------------------------------------------------------
+
+
+def _resolve(router: ModelRouter, name: str) -> ServedModel:
+    try:
+        return router.resolve(name)
+    except UnknownModelError as exc:
+        raise APIError(404, str(exc), param="model", code="model_not_found") from exc
+
+
+def _render(served: ServedModel, req: ChatCompletionRequest) -> list[int]:
+    try:
+        return render_prompt(served.tokenizer, request_messages(req), req.tools)
+    except Exception as exc:  # template errors (jinja, missing keys) are the request's fault
+        raise APIError(
+            400, f"could not render the messages with the chat template: {exc}", param="messages"
+        ) from exc
+
+
+async def _generate(served: ServedModel, request: GenerationRequest) -> list[Completion]:
+    try:
+        return await served.engine.generate(request)
+    except ContextLengthError as exc:
+        raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from exc
+    except UnknownAdapterError as exc:
+        raise APIError(404, str(exc), param="model", code="model_not_found") from exc
+    except EngineClosedError as exc:
+        raise APIError(503, f"the engine is not running: {exc}", type="server_error") from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+    except Exception as exc:
+        logger.exception("generation failed")
+        raise APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error") from exc
+
+
+async def chat_completion(router: ModelRouter, req: ChatCompletionRequest) -> dict[str, Any]:
+    """Answer one chat completion request (as a JSON-ready dict)."""
+    check_supported(req)
+    served = _resolve(router, req.model)
+    prompt_ids = _render(served, req)
+    if len(prompt_ids) > served.max_context - 1:
+        raise APIError(
+            400,
+            f"the prompt has {len(prompt_ids)} tokens but {req.model!r} has a {served.max_context}-token context "
+            "window (prompt + completion); shorten the messages",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    params = sampling_params(req, served.tokenizer, len(prompt_ids), served.max_context)
+    completions = await _generate(served, GenerationRequest(prompt_ids, params, served.adapter))
+    parse_tools = bool(req.tools) and req.tool_choice != "none"
+    choices = [
+        build_choice(
+            i,
+            c,
+            served.tokenizer,
+            prompt_ids=prompt_ids,
+            served_model=req.model,
+            with_logprobs=bool(req.logprobs),
+            parse_tools=parse_tools,
+        )
+        for i, c in enumerate(completions)
+    ]
+    return build_response(req.model, choices, len(prompt_ids))
+
+
+def _authorized(request: Request, api_key: str) -> bool:
+    given = request.headers.get("authorization", "")
+    return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return APIError(400, message, param=".".join(loc) or None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+
+def create_app(router: ModelRouter, *, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app; with `api_key`, every route needs `Authorization: Bearer <api_key>`."""
+    app = FastAPI(title="art_core OpenAI-compatible server")
+    _install_error_handlers(app)
+
+    if api_key is not None:
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next: Any) -> Any:
+            if not _authorized(request, api_key):
+                return APIError(401, "Incorrect API key provided", code="invalid_api_key").response()
+            return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        created = int(time.time())
+        data = [
+            {"id": n, "object": "model", "created": created, "owned_by": "art"} for n in router.model_names()
+        ]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> JSONResponse:
+        return JSONResponse(await chat_completion(router, body))
+
+    return app
+
+
+# -- serving in a thread ------------------------------------------------------------------------
+
+
+@dataclass
+class ServerHandle:
+    """A server running in a daemon thread."""
+
+    url: str
+    """Base URL, e.g. "http://127.0.0.1:8123" (the OpenAI base_url is url + "/v1")."""
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask uvicorn to exit and wait for its thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def serve_in_thread(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0
+) -> ServerHandle:
+    """Run `app` with uvicorn in a daemon thread (its own event loop); returns once it accepts connections.
+
+    port 0 picks a free port (the socket is bound here, so the port is known before uvicorn starts).
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound_port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{bound_port}", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the server on {host}:{bound_port} stopped during startup (see the log)")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise TimeoutError(f"the server on {host}:{bound_port} did not start within {timeout} s")
+        time.sleep(0.01)
+    shown = f"[{host}]" if ":" in host else host
+    return ServerHandle(url=f"http://{shown}:{bound_port}", server=server, thread=thread)
+
+
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "ModelRouter",
+    "ServedModel",
+    "ServerHandle",
+    "StaticRouter",
+    "UnknownModelError",
+    "build_choice",
+    "build_response",
+    "create_app",
+    "serve_in_thread",
+]

@@ -1,0 +1,232 @@
+"""The model host behind every backend: base weights, LoRA, engine, trainer and storage.
+
+`ModelService` owns the registered models of one process. The OpenAI-compatible server
+asks it (as its `ModelRouter`) which engine and adapter serve a name; backends ask it to
+register and train. Inference and training share one copy of the base weights: the
+engine pauses while a step trains, then serves the new LoRA at once.
+
+Served names: `name` is the latest weights; `name@step` is a checkpoint (the latest step is
+the live adapter; older steps are loaded from disk on first use).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from art_core.backends.base import ProgressCallback, TrainResult
+from art_core.batch import prepare_batch
+from art_core.checkpoints import ModelStorage, validate_name
+from art_core.config import TrainConfig
+from art_core.engine import EngineConfig, TorchEngine
+from art_core.lora import LoRAConfig, attach_lora
+from art_core.models import LoadedModel, load_model
+from art_core.server import ServedModel, UnknownModelError
+from art_core.trainer import Trainer
+from art_core.types import TrajectoryGroup
+
+logger = logging.getLogger(__name__)
+
+LIVE_ADAPTER = "live"
+"""The peft adapter name of the weights being trained (served as `name`)."""
+
+
+class ModelSpec(BaseModel):
+    """What a client registers: crosses the HTTP boundary, so pydantic."""
+
+    project: str
+    name: str
+    base_model: str
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    trust_remote_code: bool = False
+
+
+@dataclass
+class HostedModel:
+    """One registered model and everything that serves and trains it."""
+
+    spec: ModelSpec
+    loaded: LoadedModel
+    engine: TorchEngine
+    trainer: Trainer
+    storage: ModelStorage
+    step: int
+    train_lock: threading.Lock = field(default_factory=threading.Lock)
+    step_adapters: dict[int, str] = field(default_factory=dict)
+
+
+class ModelService:
+    """Registered models of this process; also the server's `ModelRouter`."""
+
+    def __init__(self, base_path: Path | str = ".art", engine_config: EngineConfig | None = None) -> None:
+        self.base_path = Path(base_path)
+        self.engine_config = engine_config or EngineConfig()
+        self._models: dict[str, HostedModel] = {}
+        self._lock = threading.Lock()
+
+    # ---- registration -------------------------------------------------------------------
+    def register(self, spec: ModelSpec) -> HostedModel:
+        """Load (or reuse) the model named `spec.name`, resuming from its latest checkpoint."""
+        validate_name(spec.project, "project")
+        validate_name(spec.name, "model name")
+        with self._lock:
+            hosted = self._models.get(spec.name)
+            if hosted is not None:
+                if hosted.spec != spec:
+                    raise ValueError(
+                        f"model {spec.name!r} is already registered with a different spec "
+                        f"({hosted.spec.model_dump()}); use another name or the same settings"
+                    )
+                return hosted
+            hosted = self._load(spec)
+            self._models[spec.name] = hosted
+            return hosted
+
+    def _load(self, spec: ModelSpec) -> HostedModel:
+        started = time.perf_counter()
+        loaded = load_model(spec.base_model, trust_remote_code=spec.trust_remote_code)
+        lora = LoRAConfig(r=spec.lora_rank, alpha=spec.lora_alpha)
+        peft_model = attach_lora(loaded.model, lora, adapter_name=LIVE_ADAPTER)
+        storage = ModelStorage.create(self.base_path, spec.project, spec.name)
+        storage.write_json("model.json", spec.model_dump())
+        trainer = Trainer(
+            peft_model, pad_id=_pad_id(loaded), adapter_name=LIVE_ADAPTER, config=TrainConfig()
+        )
+        step = storage.latest_step()
+        if step > 0:
+            trainer.load_state(storage.checkpoint_dir(step))
+            logger.info("resumed %s from step %d", spec.name, step)
+        else:
+            storage.write_checkpoint(0, trainer.save_state)
+        engine = TorchEngine(peft_model, loaded.tokenizer, self.engine_config)
+        logger.info("registered %s (%s) in %.1fs", spec.name, spec.base_model, time.perf_counter() - started)
+        return HostedModel(spec, loaded, engine, trainer, storage, step)
+
+    def get(self, name: str) -> HostedModel:
+        hosted = self._models.get(name)
+        if hosted is None:
+            raise UnknownModelError(name)
+        return hosted
+
+    # ---- ModelRouter --------------------------------------------------------------------
+    def resolve(self, name: str) -> ServedModel:
+        base, _, step_text = name.partition("@")
+        hosted = self.get(base)
+        adapter = LIVE_ADAPTER
+        if step_text:
+            adapter = self._adapter_for_step(hosted, name, step_text)
+        return ServedModel(
+            engine=hosted.engine,
+            tokenizer=hosted.loaded.tokenizer,
+            adapter=adapter,
+            max_context=hosted.loaded.max_context,
+        )
+
+    def _adapter_for_step(self, hosted: HostedModel, name: str, step_text: str) -> str:
+        if not step_text.isdigit():
+            raise UnknownModelError(name)
+        step = int(step_text)
+        if step == hosted.step:
+            return LIVE_ADAPTER
+        if step not in hosted.storage.steps():
+            raise UnknownModelError(name)
+        adapter = hosted.step_adapters.get(step)
+        if adapter is None:
+            adapter = f"step{step}"
+            hosted.engine.add_adapter(adapter, hosted.storage.checkpoint_dir(step))
+            hosted.step_adapters[step] = adapter
+        return adapter
+
+    def model_names(self) -> list[str]:
+        names: list[str] = []
+        for hosted in self._models.values():
+            names.append(hosted.spec.name)
+            names.extend(f"{hosted.spec.name}@{s}" for s in hosted.storage.steps())
+        return names
+
+    # ---- training -----------------------------------------------------------------------
+    async def train(
+        self,
+        name: str,
+        groups: Sequence[TrajectoryGroup],
+        config: TrainConfig,
+        on_progress: ProgressCallback | None = None,
+    ) -> TrainResult:
+        """Train one step on `groups` in a worker thread; inference waits meanwhile."""
+        hosted = self.get(name)
+        return await asyncio.to_thread(self._train_sync, hosted, list(groups), config, on_progress)
+
+    def _train_sync(
+        self,
+        hosted: HostedModel,
+        groups: list[TrajectoryGroup],
+        config: TrainConfig,
+        on_progress: ProgressCallback | None,
+    ) -> TrainResult:
+        notify = on_progress or (lambda phase, metrics: None)
+        with hosted.train_lock:
+            started = time.perf_counter()
+            prepared = prepare_batch(
+                groups, scale_rewards=config.scale_rewards, max_context=hosted.loaded.max_context
+            )
+            notify("prepare", prepared.metrics)
+            hosted.trainer.config = config
+            hosted.engine.pause()
+            try:
+                metrics = hosted.trainer.train_step(prepared)
+            finally:
+                hosted.engine.resume()
+            trained = bool(metrics.get("trained", 0))
+            notify("train", metrics)
+            if not trained:
+                logger.warning(
+                    "step %d trained nothing: %s", hosted.step + 1, "; ".join(prepared.warnings) or "no examples"
+                )
+            # The step advances on every call, trained or not, so that `get_step()` is also the
+            # data position a resumed run continues from.
+            hosted.step += 1
+            hosted.storage.write_checkpoint(hosted.step, hosted.trainer.save_state)
+            notify("checkpoint", {"step": float(hosted.step)})
+            record = {
+                "step": hosted.step,
+                **{f"train/{k}": v for k, v in prepared.metrics.items()},
+                **{f"loss/{k}": v for k, v in metrics.items()},
+                "time/step_s": time.perf_counter() - started,
+                "trained": int(trained),
+            }
+            hosted.storage.append_history(record)
+            hosted.storage.write_trajectories("train", hosted.step, groups)
+            notify("done", {k: float(v) for k, v in record.items()})
+            return TrainResult(
+                step=hosted.step,
+                trained=trained,
+                metrics={k: float(v) for k, v in record.items()},
+                warnings=list(prepared.warnings),
+            )
+
+    def delete_checkpoints(self, name: str, keep: Iterable[int]) -> list[int]:
+        hosted = self.get(name)
+        keep_set = set(keep) | {hosted.step}
+        for step in [s for s in hosted.step_adapters if s not in keep_set]:
+            hosted.engine.remove_adapter(hosted.step_adapters.pop(step))
+        return hosted.storage.delete_checkpoints(keep_set)
+
+    def close(self) -> None:
+        for hosted in self._models.values():
+            hosted.engine.close()
+        self._models.clear()
+
+
+def _pad_id(loaded: LoadedModel) -> int:
+    pad = loaded.tokenizer.pad_token_id
+    if pad is None:
+        pad = loaded.tokenizer.eos_token_id
+    return int(pad)

@@ -1,0 +1,299 @@
+"""TorchEngine and the sampler: batching invariance, exact logprobs, seeds, stops, adapters, pause."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from art_core.engine import (
+    Completion,
+    ContextLengthError,
+    EngineClosedError,
+    EngineConfig,
+    GenerationRequest,
+    TorchEngine,
+    UnknownAdapterError,
+)
+from art_core.models import LoadedModel
+from art_core.sampling import SamplingParams, find_stop, sample_next, top_p_filter
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+TEXTS = ["def add(a, b):", "import os\nimport sys\n", "x", "class Foo:\n    def __init__(self):", "return 1"]
+
+
+@pytest.fixture
+def engine(tiny_model: LoadedModel) -> Iterator[TorchEngine]:
+    eng = TorchEngine(tiny_model.model, tiny_model.tokenizer)
+    yield eng
+    eng.close()
+
+
+def prompts(tiny_model: LoadedModel) -> list[list[int]]:
+    return [tiny_model.tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
+
+
+async def one(engine: TorchEngine, prompt: list[int], params: SamplingParams, adapter: str | None = None) -> Completion:
+    (completion,) = await engine.generate(GenerationRequest(prompt, params, adapter))
+    return completion
+
+
+def teacher_forced(model: Any, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """log-softmax [len(completion), V] of a plain forward over prompt + completion."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+
+
+# -- sampler (pure) -------------------------------------------------------------------------------
+
+
+def test_sample_next_greedy_and_seeded_rows_ignore_batch_composition() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    temps = torch.tensor([0.0, 1.0, 1.0, 0.7])
+    top_ps = torch.tensor([1.0, 1.0, 0.9, 1.0])
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)]
+    batch = sample_next(logits, temps, top_ps, gens)
+    assert batch[0] == logits[0].argmax()
+    for i in range(4):
+        alone = sample_next(logits[i : i + 1], temps[i : i + 1], top_ps[i : i + 1], [torch.Generator().manual_seed(i + 1)])
+        assert alone.item() == batch[i].item()
+
+
+def test_sample_next_follows_the_distribution_and_top_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    draws = [sample_next(logits, torch.tensor([1.0]), torch.tensor([1.0]), [gen]).item() for _ in range(4000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
+    nucleus = [sample_next(logits, torch.tensor([1.0]), torch.tensor([0.7]), [gen]).item() for _ in range(500)]
+    assert set(nucleus) == {0, 1}
+    kept, ids = top_p_filter(torch.softmax(logits, -1), torch.tensor([0.7]))
+    assert ids[0, :2].tolist() == [0, 1] and kept[0, 2:].sum() == 0
+
+
+def test_sampling_params_validation() -> None:
+    for bad in [dict(n=0), dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0), dict(top_logprobs=21), dict(stop=("",))]:
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)  # type: ignore[arg-type]
+    assert SamplingParams(stop="END").stop == ("END",)  # type: ignore[arg-type]
+    assert find_stop("abc END x STOP", ("STOP", "END")) == 4
+
+
+# -- engine -------------------------------------------------------------------------------------
+
+
+async def test_batched_greedy_equals_alone_and_concurrent_calls_share_batches(tiny_model: LoadedModel, engine: TorchEngine) -> None:
+    ps = prompts(tiny_model)
+    alone = [await one(engine, p, GREEDY) for p in ps]
+    before = engine.stats().batches
+    varied = [SamplingParams(temperature=0.0, max_tokens=3 + 3 * i) for i in range(len(ps))]  # rows end at different steps
+    together = await asyncio.gather(*[one(engine, p, GREEDY) for p in ps], *[one(engine, p, v) for p, v in zip(ps, varied, strict=True)])
+    assert engine.stats().batches - before < 2 * len(ps)
+    assert [c.token_ids for c in together[: len(ps)]] == [c.token_ids for c in alone]
+    for c, a, v in zip(together[len(ps) :], alone, varied, strict=True):
+        assert a.token_ids[: len(c.token_ids)] == c.token_ids and len(c.token_ids) <= v.max_tokens
+    assert engine.stats().max_batch_rows > 1
+
+
+async def test_logprobs_equal_a_teacher_forced_forward(tiny_model: LoadedModel, engine: TorchEngine) -> None:
+    ps = prompts(tiny_model)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=7, top_logprobs=3)
+    results = await asyncio.gather(*[one(engine, p, params) for p in ps])
+    for prompt, c in zip(ps, results, strict=True):
+        ref = teacher_forced(tiny_model.model, prompt, c.token_ids)
+        picked = ref.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(c.logprobs), picked, atol=1e-4)
+        values, ids = ref.topk(3, dim=-1)
+        assert [[i for i, _ in top] for top in c.top_logprobs] == ids.tolist()
+        assert torch.allclose(torch.tensor([[lp for _, lp in top] for top in c.top_logprobs]), values, atol=1e-4)
+
+
+async def test_seed_reproducible_in_any_batch_and_n(tiny_model: LoadedModel, engine: TorchEngine) -> None:
+    ps = prompts(tiny_model)
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, seed=123, n=3)
+    (first,) = await asyncio.gather(engine.generate(GenerationRequest(ps[0], seeded)))
+    crowd = await asyncio.gather(*[one(engine, p, SamplingParams(max_tokens=20)) for p in ps[1:]], engine.generate(GenerationRequest(ps[0], seeded)))
+    again = crowd[-1]
+    assert isinstance(again, list) and len(first) == len(again) == 3
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert len({tuple(c.token_ids) for c in first}) > 1  # the n samples differ from each other
+    other = await engine.generate(GenerationRequest(ps[0], SamplingParams(temperature=1.0, max_tokens=16, seed=124)))
+    assert other[0].token_ids != first[0].token_ids
+
+
+async def test_top_p_tiny_is_greedy(tiny_model: LoadedModel, engine: TorchEngine) -> None:
+    for p in prompts(tiny_model)[:3]:
+        nucleus = await one(engine, p, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=12))
+        assert nucleus.token_ids == (await one(engine, p, GREEDY)).token_ids
+
+
+async def test_max_tokens_stop_ids_and_stop_strings(tiny_model: LoadedModel) -> None:
+    tok = tiny_model.tokenizer
+    engine = TorchEngine(tiny_model.model, tok, EngineConfig(stop_on_eos=False))
+    try:
+        prompt = prompts(tiny_model)[0]
+        full = await one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=40))
+        assert len(full.token_ids) == 40 and full.finish_reason == "length"
+        assert full.text == tok.decode(full.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+        stop_id = full.token_ids[5]
+        cut = full.token_ids.index(stop_id) + 1
+        by_id = await one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=(stop_id,)))
+        assert by_id.token_ids == full.token_ids[:cut] and by_id.finish_reason == "stop"
+        assert by_id.text == tok.decode(full.token_ids[: cut - 1], skip_special_tokens=False)
+
+        start = len(full.text) // 2
+        stop = next(full.text[i : i + 2] for i in range(start, len(full.text)) if full.text[i : i + 2].strip())
+        by_str = await one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=40, stop=(stop,)))
+        assert by_str.finish_reason == "stop" and by_str.text == full.text[: full.text.find(stop)]
+        assert by_str.token_ids == full.token_ids[: len(by_str.token_ids)]
+        assert stop in tok.decode(by_str.token_ids) and stop not in tok.decode(by_str.token_ids[:-1])
+    finally:
+        engine.close()
+
+
+async def test_eos_ends_a_row_and_is_kept_in_token_ids(tiny_model: LoadedModel, engine: TorchEngine) -> None:
+    eos = tiny_model.tokenizer.eos_token_id
+    results = await engine.generate(GenerationRequest(prompts(tiny_model)[1], SamplingParams(n=24, max_tokens=30, seed=0)))
+    ended = [c for c in results if c.finish_reason == "stop"]
+    assert ended, "expected some of 24 random samples to end with eos"
+    for c in ended:
+        assert c.token_ids[-1] == eos and eos not in c.token_ids[:-1]
+        assert "<|im_end|>" not in c.text
+
+
+async def test_context_length(tiny_model: LoadedModel) -> None:
+    engine = TorchEngine(tiny_model.model, tiny_model.tokenizer, EngineConfig(max_context=32, stop_on_eos=False))
+    try:
+        with pytest.raises(ContextLengthError, match="32"):
+            await one(engine, [5] * 32, GREEDY)
+        capped = await one(engine, [5] * 29, SamplingParams(temperature=0.0, max_tokens=100))
+        assert len(capped.token_ids) == 3 and capped.finish_reason == "length"
+    finally:
+        engine.close()
+
+
+async def test_pause_holds_requests_until_resume(tiny_model: LoadedModel, engine: TorchEngine) -> None:
+    ps = prompts(tiny_model)
+    engine.pause()
+    tasks = [asyncio.create_task(one(engine, p, GREEDY)) for p in ps]
+    await asyncio.sleep(0.3)
+    assert not any(t.done() for t in tasks) and engine.stats().batches == 0
+    engine.resume()
+    done = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+    assert len(done) == len(ps) and engine.stats().batches >= 1
+
+
+async def test_worker_error_reaches_the_caller_and_the_engine_recovers(tiny_model: LoadedModel, engine: TorchEngine) -> None:
+    def fail_once(*_: Any) -> None:
+        handle.remove()
+        raise RuntimeError("injected failure")
+
+    handle = tiny_model.model.register_forward_pre_hook(fail_once)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        await asyncio.wait_for(one(engine, prompts(tiny_model)[0], GREEDY), timeout=60)
+    assert len((await one(engine, prompts(tiny_model)[0], GREEDY)).token_ids) > 0
+    with pytest.raises(UnknownAdapterError, match="not loaded"):
+        await one(engine, prompts(tiny_model)[0], GREEDY, adapter="nope")
+
+
+async def test_close_fails_waiting_requests(tiny_model: LoadedModel) -> None:
+    engine = TorchEngine(tiny_model.model, tiny_model.tokenizer)
+    engine.pause()
+    task = asyncio.create_task(one(engine, prompts(tiny_model)[0], GREEDY))
+    await asyncio.sleep(0.05)
+    engine.close()
+    with pytest.raises(EngineClosedError):
+        await asyncio.wait_for(task, timeout=10)
+    with pytest.raises(EngineClosedError):
+        await one(engine, prompts(tiny_model)[0], GREEDY)
+
+
+# -- adapters -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def peft_setup(tiny_model: LoadedModel, tmp_path: Path) -> Iterator[tuple[Any, Path]]:
+    """A private PeftModel copy with a random (non-zero) 'trainer' adapter saved to tmp_path."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    peft_model = get_peft_model(copy.deepcopy(tiny_model.model), config, adapter_name="trainer")
+    peft_model.save_pretrained(tmp_path / "ckpt", selected_adapters=["trainer"])
+    yield peft_model, tmp_path / "ckpt" / "trainer"
+
+
+def _trainable_names(model: Any) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+async def test_adapters_change_outputs_and_mix_in_one_batch(tiny_model: LoadedModel, peft_setup: tuple[Any, Path]) -> None:
+    peft_model, saved = peft_setup
+    peft_model.train()
+    trainable = _trainable_names(peft_model)
+    engine = TorchEngine(peft_model, tiny_model.tokenizer)
+    try:
+        engine.add_adapter("agent@1", saved)
+        assert set(engine.adapters()) == {"trainer", "agent@1"}
+        assert peft_model.active_adapters == ["trainer"] and peft_model.training
+        assert _trainable_names(peft_model) == trainable
+        ps = prompts(tiny_model)
+        base = [await one(engine, p, GREEDY) for p in ps]
+        tuned = [await one(engine, p, GREEDY, adapter="agent@1") for p in ps]
+        assert any(b.token_ids != t.token_ids for b, t in zip(base, tuned, strict=True))
+        mixed = await asyncio.gather(*[one(engine, p, GREEDY, adapter="agent@1" if i % 2 else None) for i, p in enumerate(ps)])
+        expected = [tuned[i] if i % 2 else base[i] for i in range(len(ps))]
+        assert [c.token_ids for c in mixed] == [c.token_ids for c in expected]
+        assert base[0].token_ids == (await one(TorchEngine_base := TorchEngine(tiny_model.model, tiny_model.tokenizer), ps[0], GREEDY)).token_ids
+        TorchEngine_base.close()
+        assert peft_model.training and peft_model.active_adapters == ["trainer"]
+        with pytest.raises(ValueError, match="already loaded"):
+            engine.add_adapter("agent@1", saved)
+        with pytest.raises(ValueError, match="active adapter"):
+            engine.remove_adapter("trainer")
+        engine.remove_adapter("agent@1")
+        assert engine.adapters() == ["trainer"]
+    finally:
+        engine.close()
+
+
+async def test_adapter_logprobs_match_the_trainer_view(tiny_model: LoadedModel, peft_setup: tuple[Any, Path]) -> None:
+    peft_model, saved = peft_setup
+    engine = TorchEngine(peft_model, tiny_model.tokenizer)
+    try:
+        prompt = prompts(tiny_model)[3]
+        c = await one(engine, prompt, SamplingParams(max_tokens=16, seed=3), adapter="trainer")
+        peft_model.eval()  # the trainer's own forward with its active adapter
+        picked = teacher_forced(peft_model, prompt, c.token_ids).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(c.logprobs), picked, atol=1e-4)
+    finally:
+        engine.close()
+
+
+async def test_adapter_added_while_paused_and_removed_while_queued(tiny_model: LoadedModel, peft_setup: tuple[Any, Path]) -> None:
+    _, saved = peft_setup
+    engine = TorchEngine(copy.deepcopy(tiny_model.model), tiny_model.tokenizer)  # plain model: add_adapter wraps it
+    try:
+        with engine.paused():
+            engine.add_adapter("a", saved)  # runs at once in this thread (no deadlock)
+        assert engine.adapters() == ["a"]
+        prompt = prompts(tiny_model)[0]
+        engine.pause()
+        doomed = asyncio.create_task(one(engine, prompt, GREEDY, adapter="a"))
+        fine = asyncio.create_task(one(engine, prompt, GREEDY))
+        await asyncio.sleep(0.05)
+        engine.model.base_model.delete_adapter("a")  # gone before the queued request runs
+        engine.resume()
+        with pytest.raises(UnknownAdapterError, match="removed"):
+            await asyncio.wait_for(doomed, timeout=60)
+        assert len((await asyncio.wait_for(fine, timeout=60)).token_ids) > 0
+    finally:
+        engine.close()
