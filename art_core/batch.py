@@ -87,10 +87,10 @@ class _Tally:
     counts: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
-    def skip(self, counter: str, message: str) -> None:
+    def skip(self, counter: str, message: str, level: int = logging.WARNING) -> None:
         self.counts[counter] = self.counts.get(counter, 0.0) + 1.0
         self.warnings.append(message)
-        logger.warning(message)
+        logger.log(level, message)
 
 
 _COUNTERS = (
@@ -196,6 +196,7 @@ def _group_examples(
             "groups_zero_variance",
             f"group {gi} skipped: all {len(rewards)} rewards equal {rewards[0]!r} (zero variance, no signal); "
             "use more rollouts per group or a reward that separates them",
+            level=logging.INFO,  # routine in GRPO; counted, and the step warns if nothing trains
         )
         return []
     examples = []

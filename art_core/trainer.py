@@ -5,8 +5,14 @@ optimizer step (`train_step`) accumulates gradients over micro-batches whose los
 by the whole batch (`BatchTotals`), so the split into micro-batches does not change the update.
 
 Log-probs come from the base transformer body's final hidden states and the output head, in
-chunks (`token_logprobs`), so full-vocabulary logits for a whole micro-batch never exist at once.
-The KL reference is the same model with the adapter disabled: no second copy of the weights.
+chunks (`token_logprobs`), so full-vocabulary logits for a whole micro-batch never exist at once,
+and only at the positions that are needed (trained tokens when training). Sequences of a
+micro-batch that start with the same tokens (a group's shared prompt) run that prefix once: its
+keys and values are expanded (no copy) along the batch for the rest of each sequence, and autograd
+sums the gradients that flow back into it, so the update equals the unshared computation.
+Training micro-batches are therefore formed within each group. The decoder is never
+gradient-checkpointed. The KL reference is the same model with the adapter disabled: no second
+copy of the weights.
 
 State is stored without pickle: the adapter with peft's `save_pretrained` (loadable as it is by
 `PeftModel.from_pretrained` and vLLM), the optimizer and RNG states as safetensors, and the
@@ -16,6 +22,7 @@ optimizer's hyper-parameters and parameter names as JSON.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import math
@@ -29,6 +36,7 @@ from peft import PeftModel
 from peft.utils import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from transformers.cache_utils import DynamicLayer
 
 from art_core.batch import BatchTotals, PreparedBatch, TrainingExample, collate, micro_batches
 from art_core.config import TrainConfig
@@ -45,6 +53,9 @@ STATE_FORMAT = 1
 
 _SUMMED_METRICS = ("loss", "policy_loss", "kl_loss", "tokens", "sequences")
 """Metrics that add up across micro-batches; the others are token-weighted means."""
+
+MIN_SHARED_PREFIX = 4
+"""Shortest common prefix (tokens) worth a separate forward pass."""
 
 
 def decoder_and_head(model: PeftModel) -> tuple[nn.Module, nn.Module]:
@@ -68,8 +79,16 @@ class Trainer:
     """Owns one LoRA adapter of `model` and its optimizer; see the module docstring."""
 
     def __init__(
-        self, model: PeftModel, *, pad_id: int, adapter_name: str = "default", config: TrainConfig
+        self,
+        model: PeftModel,
+        *,
+        pad_id: int,
+        adapter_name: str = "default",
+        config: TrainConfig,
+        share_prefixes: bool = True,
     ) -> None:
+        """`share_prefixes`: run a prefix common to a micro-batch's sequences once (same update up to
+        float rounding); False computes every sequence in full."""
         if adapter_name not in model.peft_config:
             raise ValueError(f"model has no adapter {adapter_name!r}; it has {sorted(model.peft_config)}")
         self.model = model
@@ -86,6 +105,12 @@ class Trainer:
             self.params, lr=config.learning_rate, betas=config.adam_betas, weight_decay=config.weight_decay
         )
         self._decoder, self._head = decoder_and_head(model)
+        self._cache_arg = _cache_argument(self._decoder)
+        config_dropout = float(getattr(model.get_base_model().config, "attention_dropout", 0.0) or 0.0)
+        self._share_prefixes = share_prefixes and config_dropout == 0.0 and not any(
+            isinstance(module, nn.Dropout) and module.p > 0 for module in model.modules()
+        )
+        """Prefix sharing needs no dropout: one dropout draw for the prefix would replace one per row."""
 
     @property
     def device(self) -> torch.device:
@@ -116,20 +141,65 @@ class Trainer:
         finally:
             self.model.eval()
 
-    def _logprobs(self, batch: dict[str, Tensor]) -> Tensor:
-        hidden = self._decoder(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-        ).last_hidden_state
-        logprobs, _ = token_logprobs(
-            hidden, self._head, batch["targets"], chunk_size=self.config.logprob_chunk_size
-        )
-        return logprobs
+    def shared_prefix_length(self, input_ids: Tensor, attention_mask: Tensor) -> int:
+        """Leading tokens common to every row that one forward pass can compute for all; 0 for none.
 
-    def _ref_logprobs(self, batch: dict[str, Tensor]) -> Tensor | None:
+        Each row keeps at least one token of its own; sharing needs 2+ rows, no dropout, and at least
+        `MIN_SHARED_PREFIX` common tokens.
+        """
+        if input_ids.shape[0] < 2 or not self._share_prefixes or self._cache_arg is None:
+            return 0
+        same = ((input_ids == input_ids[:1]) & (attention_mask > 0)).all(dim=0)
+        common = int(same.long().cumprod(dim=0).sum())
+        common = min(common, int(attention_mask.sum(dim=1).min()) - 1)
+        return common if common >= MIN_SHARED_PREFIX else 0
+
+    def _hidden_at(self, batch: dict[str, Tensor], positions: Tensor) -> tuple[Tensor, int]:
+        """[N, H] final hidden states at the true entries of `positions` [B, T] (row-major order), and
+        the shared prefix length used."""
+        ids, attention = batch["input_ids"], batch["attention_mask"]
+        rows, cols = positions.nonzero(as_tuple=True)
+        prefix = self.shared_prefix_length(ids, attention)
+        if prefix > 0:
+            shared = self._decoder(
+                input_ids=ids[:1, :prefix], attention_mask=attention[:1, :prefix], use_cache=True
+            )
+            cache = getattr(shared, self._cache_arg)
+            layers = getattr(cache, "layers", None)
+            if layers and all(type(layer) is DynamicLayer for layer in layers):
+                batch_size, length = ids.shape
+                for layer in layers:  # the prefix's keys and values, seen by every row without a copy
+                    layer.keys = layer.keys.expand(batch_size, -1, -1, -1)
+                    layer.values = layer.values.expand(batch_size, -1, -1, -1)
+                rest = self._decoder(
+                    input_ids=ids[:, prefix:],
+                    attention_mask=attention,
+                    use_cache=True,
+                    **{self._cache_arg: cache},
+                ).last_hidden_state
+                table = torch.cat([shared.last_hidden_state[0], rest.reshape(-1, rest.shape[-1])])
+                index = torch.where(cols < prefix, cols, prefix + rows * (length - prefix) + cols - prefix)
+                return table[index], prefix
+        hidden = self._decoder(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
+        return hidden[rows, cols], 0
+
+    def _logprobs(self, batch: dict[str, Tensor], positions: Tensor) -> tuple[Tensor, int]:
+        """[B, T] float32 log-probs of the targets at `positions` (0 elsewhere) and the shared prefix."""
+        hidden, prefix = self._hidden_at(batch, positions)
+        picked, _ = token_logprobs(
+            hidden[None],
+            self._head,
+            batch["targets"][positions][None],
+            chunk_size=self.config.logprob_chunk_size,
+        )
+        logprobs = torch.zeros(positions.shape, dtype=picked.dtype, device=picked.device)
+        return logprobs.masked_scatter(positions, picked[0]), prefix
+
+    def _ref_logprobs(self, batch: dict[str, Tensor], positions: Tensor) -> Tensor | None:
         if self.config.loss.kl_coef <= 0:
             return None
         with self.model.disable_adapter(), torch.no_grad():
-            return self._logprobs(batch)
+            return self._logprobs(batch, positions)[0]
 
     @torch.no_grad()
     def compute_logprobs(self, examples: list[TrainingExample]) -> Tensor:
@@ -140,16 +210,17 @@ class Trainer:
         batch = {key: value.to(self.device) for key, value in collate(examples, self.pad_id).items()}
         self.model.eval()
         with self._adapter_active():
-            return self._logprobs(batch)
+            return self._logprobs(batch, batch["attention_mask"] > 0)[0]
 
     def forward_backward(self, examples: list[TrainingExample], *, totals: BatchTotals) -> dict[str, float]:
         """Forward and backward one micro-batch; gradients add up in the LoRA weights' `.grad`."""
         if not examples:
             raise ValueError("forward_backward needs at least one example")
         batch = {key: value.to(self.device) for key, value in collate(examples, self.pad_id).items()}
+        positions = batch["mask"] > 0
         with self._training_mode():
-            ref = self._ref_logprobs(batch)
-            logprobs = self._logprobs(batch)
+            ref = self._ref_logprobs(batch, positions)
+            logprobs, prefix = self._logprobs(batch, positions)
             loss_batch = LossBatch(
                 logprobs=logprobs,
                 old_logprobs=logprobs.detach(),
@@ -165,6 +236,7 @@ class Trainer:
             output.loss.backward()
         metrics = {key: float(value) for key, value in output.metrics.items()}
         metrics.update(loss=float(output.loss.detach()), sequences=float(len(examples)))
+        metrics["shared_prefix_tokens"] = float(prefix)
         metrics.update(_logprob_metrics(logprobs.detach(), batch))
         return metrics
 
@@ -203,16 +275,30 @@ class Trainer:
         totals = batch.totals
         try:
             parts = [
-                self.forward_backward(chunk, totals=totals)
-                for chunk in micro_batches(batch.examples, self.config.micro_batch_tokens)
+                self.forward_backward(chunk, totals=totals) for chunk in self._micro_batches(batch.examples)
             ]
         except BaseException:
-            self.optimizer.zero_grad(set_to_none=True)  # no half-accumulated gradient leaks into the next step
+            self.optimizer.zero_grad(
+                set_to_none=True
+            )  # no half-accumulated gradient leaks into the next step
             raise
         metrics = {**combine_metrics(parts), "micro_batches": float(len(parts))}
         metrics.update(self.optim_step(self.config.learning_rate))
         metrics["trained"] = 1.0 - metrics["optim_step_skipped"]
         return metrics
+
+    def _micro_batches(self, examples: list[TrainingExample]) -> list[list[TrainingExample]]:
+        """`micro_batches` within each group (whose sequences share their prompt), when prefixes can be shared."""
+        if not self._share_prefixes or self._cache_arg is None:
+            return micro_batches(examples, self.config.micro_batch_tokens)
+        groups: dict[int, list[TrainingExample]] = {}
+        for example in examples:
+            groups.setdefault(example.group_index, []).append(example)
+        return [
+            chunk
+            for group in groups.values()
+            for chunk in micro_batches(group, self.config.micro_batch_tokens)
+        ]
 
     def save_state(self, directory: Path) -> None:
         """Write adapter, optimizer and RNG state into `directory` (created if missing)."""
@@ -249,6 +335,12 @@ class Trainer:
         _load_adapter(self.model, self.adapter_name, directory / ADAPTER_WEIGHTS)
         self.optimizer.load_state_dict(_optimizer_state(load_file(str(directory / OPTIMIZER_FILE)), state))
         _set_rng_state(load_file(str(directory / RNG_FILE)))
+
+
+def _cache_argument(decoder: nn.Module) -> str | None:
+    """Name of the decoder's keyword for a key/value cache ("cache" in newer transformers); None if it has none."""
+    parameters = inspect.signature(decoder.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
 def combine_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:

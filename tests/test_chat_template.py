@@ -30,13 +30,17 @@ SMOLLM2_ORIGINAL_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
             "name": "get_weather",
             "description": "Weather for a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
         },
     }
 ]
@@ -48,8 +52,16 @@ CONVERSATION: list[dict[str, Any]] = [
         "role": "assistant",
         "content": None,
         "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
-            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+            },
+            {
+                "id": "c2",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+            },
         ],
     },
     {"role": "tool", "tool_call_id": "c1", "content": "18°C, sunny"},
@@ -107,14 +119,21 @@ def tokenizer(
 
 
 def test_golden_tool_conversation(tokenizer: PreTrainedTokenizerBase) -> None:
-    assert render_text(tokenizer, CONVERSATION, TOOLS, add_generation_prompt=False) == GOLDEN_TOOL_CONVERSATION
+    assert (
+        render_text(tokenizer, CONVERSATION, TOOLS, add_generation_prompt=False) == GOLDEN_TOOL_CONVERSATION
+    )
     ids = render_prompt(tokenizer, CONVERSATION, TOOLS, add_generation_prompt=False)
     assert tokenizer.decode(ids) == GOLDEN_TOOL_CONVERSATION
 
 
-def test_golden_without_system_message(tiny_model: LoadedModel, smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
+def test_golden_without_system_message(
+    tiny_model: LoadedModel, smollm2_tokenizer: PreTrainedTokenizerBase
+) -> None:
     messages = [{"role": "user", "content": "Hi!"}]
-    assert render_text(tiny_model.tokenizer, messages) == "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        render_text(tiny_model.tokenizer, messages)
+        == "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert render_text(smollm2_tokenizer, messages) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
@@ -127,17 +146,31 @@ def test_golden_without_system_message(tiny_model: LoadedModel, smollm2_tokenize
 def test_render_prompt_matches_hf_tokenization(tokenizer: PreTrainedTokenizerBase) -> None:
     messages = [{"role": "user", "content": "What is 2+2?"}]
     ids = render_prompt(tokenizer, messages, TOOLS)
-    hf = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, return_dict=False)
+    hf = tokenizer.apply_chat_template(
+        messages, tools=[*TOOLS], add_generation_prompt=True, return_dict=False
+    )
     assert ids == list(hf)
     assert all(isinstance(i, int) for i in ids)
-    assert ids[-3:] == tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    tail = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    assert ids[-len(tail) :] == tail
 
 
 @pytest.mark.parametrize(
     "content",
-    ["Paris.", "The capital of France is Paris.", "Sure!\n\n1. Red\n2. Blue", "  leading spaces", "42", "ok 🙂"],
+    [
+        "Paris.",
+        "The capital of France is Paris.",
+        "Sure!\n\n1. Red\n2. Blue",
+        "42",
+        "ok 🙂",
+        "trailing space ",
+    ],
 )
-def test_assistant_turn_extends_the_prompt_token_for_token(tokenizer: PreTrainedTokenizerBase, content: str) -> None:
+def test_assistant_turn_extends_the_prompt_token_for_token(
+    tokenizer: PreTrainedTokenizerBase, content: str
+) -> None:
+    # Holds for content that does not start with whitespace: a byte-level pre-tokenizer may merge leading
+    # spaces with the "\n" of the generation prompt (the engine's sampled ids are exact either way).
     history = [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello! How can I help?"},
@@ -146,7 +179,9 @@ def test_assistant_turn_extends_the_prompt_token_for_token(tokenizer: PreTrained
     for tools in (None, TOOLS):
         prompt = render_prompt(tokenizer, history, tools)
         full = render_prompt(tokenizer, [*history, {"role": "assistant", "content": content}], tools)
-        sampled = tokenizer.encode(content, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        sampled = tokenizer.encode(content, add_special_tokens=False) + [
+            tokenizer.convert_tokens_to_ids("<|im_end|>")
+        ]
         assert full[: len(prompt) + len(sampled)] == prompt + sampled
         assert tokenizer.convert_tokens_to_ids("<|im_end|>") == tokenizer.eos_token_id
 
@@ -155,8 +190,12 @@ def test_assistant_tool_call_renders_as_tool_call_text(tokenizer: PreTrainedToke
     calls = CONVERSATION[2]["tool_calls"]
     history = CONVERSATION[:2]
     prompt = render_text(tokenizer, history, TOOLS)
-    for content, body in ((None, tool_call_text(calls)), ("Let me check.", "Let me check.\n" + tool_call_text(calls))):
-        full = render_text(tokenizer, [*history, {"role": "assistant", "content": content, "tool_calls": calls}], TOOLS)
+    for content, body in (
+        (None, tool_call_text(calls)),
+        ("Let me check.", "Let me check.\n" + tool_call_text(calls)),
+    ):
+        turn = {"role": "assistant", "content": content, "tool_calls": calls}
+        full = render_text(tokenizer, [*history, turn], TOOLS, add_generation_prompt=False)
         assert full == prompt + body + "<|im_end|>\n"
 
 
@@ -164,7 +203,7 @@ def test_message_normalisation(tiny_model: LoadedModel) -> None:
     tok = tiny_model.tokenizer
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert render_text(tok, parts) == render_text(tok, [{"role": "user", "content": "ab"}])
-    as_dict = [
+    as_dict: list[dict[str, Any]] = [
         {"role": "user", "content": "x"},
         {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"k": 1}}}]},
         {"role": "tool", "content": {"result": 2}},
@@ -178,7 +217,7 @@ def test_message_normalisation(tiny_model: LoadedModel) -> None:
 
 
 def test_parse_round_trip() -> None:
-    calls = [
+    calls: list[dict[str, Any]] = [
         {"name": "get_weather", "arguments": '{"city": "Zürich", "units": ["C", "F"]}'},
         {"name": "search", "arguments": {"q": 'say "hi"', "n": 3, "nested": {"a": None}}},
     ]
@@ -200,10 +239,15 @@ def test_parse_content_and_call() -> None:
 
 
 def test_parse_compact_and_string_arguments() -> None:
-    text = '<tool_call>{"name":"f","arguments":"{\\"a\\": 1}"}</tool_call><tool_call>{"name": "g"}</tool_call>'
+    text = (
+        '<tool_call>{"name":"f","arguments":"{\\"a\\": 1}"}</tool_call><tool_call>{"name": "g"}</tool_call>'
+    )
     content, calls = parse_tool_calls(text)
     assert content is None
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", '{"a": 1}'), ("g", "{}")]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("f", '{"a": 1}'),
+        ("g", "{}"),
+    ]
 
 
 def test_parse_malformed_blocks_stay_in_content() -> None:

