@@ -24,7 +24,19 @@ _EXPORTS = {
     "TrainResult": "art_core.backends.base",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "History",
+    "LossConfig",
+    "TrainConfig",
+    "TrainResult",
+    "TrainableModel",
+    "Trajectory",
+    "TrajectoryGroup",
+    "Turn",
+    "gather_trajectories",
+    "gather_trajectory_groups",
+    "iterate_dataset",
+]
 
 if TYPE_CHECKING:
     from art_core.backends.base import TrainResult

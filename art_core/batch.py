@@ -147,7 +147,7 @@ def _reward_stats(rewards: list[list[float]]) -> dict[str, float]:
         return {}
     mean = math.fsum(flat) / len(flat)
     std = math.sqrt(math.fsum((r - mean) ** 2 for r in flat) / len(flat))
-    return {"reward_mean": mean, "reward_std": std}
+    return {"reward": mean, "reward_std": std}
 
 
 def prepare_batch(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
+import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
@@ -31,6 +33,8 @@ class LoRAConfig:
     """Dropout on the adapter's input during training (0 keeps training deterministic)."""
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
     """Names of the linear layers that get an adapter: all attention and MLP projections of Llama/Qwen."""
+    seed: int = 0
+    """Seed of the adapter's initial weights, so that two runs of the same config start identically."""
 
     def __post_init__(self) -> None:
         if self.r < 1:
@@ -64,11 +68,15 @@ def attach_lora(model: nn.Module, config: LoRAConfig, adapter_name: str = "defau
     plain base model is still needed. A `PeftModel` gets `adapter_name` added beside its adapters.
     """
     was_training = model.training
-    if isinstance(model, PeftModel):
-        model.add_adapter(adapter_name, config.to_peft())
-        peft_model = model
-    else:
-        peft_model = get_peft_model(model, config.to_peft(), adapter_name=adapter_name)
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        torch.manual_seed(config.seed)  # seeded init that leaves the caller's RNG untouched
+        # peft 0.21 asks transformers 5 `is_gradient_checkpointing`, deprecated there: not ours to fix.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        if isinstance(model, PeftModel):
+            model.add_adapter(adapter_name, config.to_peft())
+            peft_model = model
+        else:
+            peft_model = get_peft_model(model, config.to_peft(), adapter_name=adapter_name)
     marker = f".{adapter_name}."
     for name, param in peft_model.named_parameters():
         param.requires_grad = "lora_" in name and marker in name

@@ -32,7 +32,7 @@ def test_advantages_and_examples() -> None:
     batch = prepare_batch([group(trajectory(1.0), trajectory(0.0))], scale_rewards=True, max_context=100)
     assert [round(e.advantage, 4) for e in batch.examples] == [1.0, -1.0]
     assert [(e.group_index, e.trajectory_index) for e in batch.examples] == [(0, 0), (0, 1)]
-    assert batch.metrics["reward_mean"] == 0.5 and batch.metrics["groups_trainable"] == 1
+    assert batch.metrics["reward"] == 0.5 and batch.metrics["groups_trainable"] == 1
     assert batch.metrics["tokens_trained"] == 4 and batch.metrics["examples"] == 2
     assert batch.warnings == []
     assert batch.totals == BatchTotals(num_sequences=2.0, num_tokens=4.0, max_completion_tokens=2.0)

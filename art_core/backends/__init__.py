@@ -11,7 +11,12 @@ _EXPORTS = {
     "TrainResult": "art_core.backends.base",
     "LocalBackend": "art_core.backends.local",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Backend",
+    "InferenceInfo",
+    "LocalBackend",
+    "TrainResult",
+]
 
 if TYPE_CHECKING:
     from art_core.backends.base import Backend, InferenceInfo, TrainResult
