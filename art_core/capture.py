@@ -2,10 +2,10 @@
 
 One mechanism, several doors. A rollout scope (`integrations.scope`) sets the *active rollout*
 (a contextvar). Every request that reaches our server under a rollout id - given by the
-`X-Rollout-Id` header, or by the rollout-scoped base URL `<server>/rollouts/<id>/v1` - is recorded
-server-side with the exact prompt ids, sampled ids and logprobs of every choice. When the scope
-exits it fetches (and so frees) the records over HTTP and turns them into a `Trajectory` with
-`trajectory_from_records`, a pure function.
+`X-Rollout-Id` header, or by the rollout-scoped base URL `<server>/rollouts/<id>/v1`, which wins
+over a header - is recorded server-side with the exact prompt ids, sampled ids and logprobs of
+every choice. When the scope exits it fetches (and so frees) the records over HTTP and turns them
+into a `Trajectory` with `trajectory_from_records`, a pure function.
 
 This module holds the parts `art_core` needs without importing `integrations`:
 - the active-rollout contextvar and the httpx request hooks that attach its header
@@ -141,7 +141,7 @@ class CallRecord(BaseModel):
     model: str
     """The model name the request asked for."""
     messages: list[Message]
-    """The request messages as sent (None fields left out)."""
+    """The request messages as sent (fields the client left out stay out)."""
     tools: list[Tool] | None = None
     """The tools offered in the request."""
     choices: list[RecordedChoice]
@@ -327,10 +327,12 @@ def message_key(message: Message) -> str:
     return json.dumps(key, sort_keys=True, default=str)
 
 
-def _history(head: CallRecord, calls: Sequence[CallRecord]) -> tuple[History, list[CallRecord]]:
+def _history(
+    head: CallRecord, calls: Sequence[CallRecord], keys_of: dict[int, list[str]]
+) -> tuple[History, list[CallRecord]]:
     """The history ending in `head`'s first choice, and the calls (among `calls`) that built it."""
     conversation = [*head.messages, head.choices[0].message]
-    keys = [message_key(m) for m in conversation]
+    keys = [*keys_of[id(head)], message_key(head.choices[0].message)]
     turns: list[Turn] = []
     used: list[CallRecord] = []
     length = 0
@@ -340,7 +342,7 @@ def _history(head: CallRecord, calls: Sequence[CallRecord]) -> tuple[History, li
             turns.append(head.choices[0].turn)
             used.append(head)
             break
-        if not length < n < len(keys) or [message_key(m) for m in call.messages] != keys[: n - 1]:
+        if not length < n < len(keys) or keys_of[id(call)] != keys[: n - 1]:
             continue
         picked = next((c for c in call.choices if message_key(c.message) == keys[n - 1]), None)
         if picked is not None:
@@ -351,15 +353,21 @@ def _history(head: CallRecord, calls: Sequence[CallRecord]) -> tuple[History, li
 
 
 def histories_from_records(records: Sequence[CallRecord]) -> list[History]:
-    """Split a rollout's calls into histories, longest first (see the module docstring)."""
+    """Split a rollout's calls into histories: the main one first, then the others in arrival order.
+
+    The main history ends in the call with the most request messages (ties: the latest); see the
+    module docstring. Each other history is built the same way from the calls left over.
+    """
     remaining = sorted(records, key=lambda r: r.seq)
-    histories: list[History] = []
+    keys_of = {id(r): [message_key(m) for m in r.messages] for r in remaining}
+    found: list[tuple[int, History]] = []
     while remaining:
         head = max(remaining, key=lambda r: (len(r.messages), r.seq))
-        history, used = _history(head, remaining)
-        histories.append(history)
+        history, used = _history(head, remaining, keys_of)
+        found.append((used[0].seq, history))
         remaining = [r for r in remaining if all(r is not u for u in used)]
-    return histories
+    main, *others = found
+    return [main[1], *(history for _, history in sorted(others, key=lambda item: item[0]))]
 
 
 def trajectory_from_records(records: Sequence[CallRecord], **fields: Any) -> Trajectory:

@@ -1,8 +1,10 @@
-"""The `art` command: `art demo` trains the embedded default model; `art runs` lists runs."""
+"""The `art` command: `art demo` trains the embedded default model; `art serve` hosts models for
+`RemoteBackend` clients; `art runs` lists runs."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 from dataclasses import asdict
@@ -85,10 +87,72 @@ def runs(path: Annotated[Path, typer.Option(help="The storage folder.")] = Path(
         last = history[-1] if history else {}
         reward = last.get("train/reward")
         shown = f"{reward:.3f}" if isinstance(reward, (int, float)) else "-"
-        console.print(f"{model_dir.parent.parent.name}/{model_dir.name}: step {storage.latest_step()}, reward {shown}")
+        console.print(
+            f"{model_dir.parent.parent.name}/{model_dir.name}: step {storage.latest_step()}, reward {shown}"
+        )
         found = True
     if not found:
         console.print(f"no runs under {path}")
+
+
+@app.command()
+def serve(
+    host: Annotated[
+        str, typer.Option(help="Interface to bind. Anything but loopback needs an API key.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 7999,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="ART_API_KEY",
+            show_default=False,
+            help="Bearer key every request must carry (checked on every route). Required off loopback.",
+        ),
+    ] = None,
+    path: Annotated[Path, typer.Option(help="Where checkpoints and history go.")] = Path(".art"),
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Host inference and training for any number of models; clients connect with RemoteBackend.
+
+    No model is loaded at start: each client registers its own (`await model.register(backend)`).
+    """
+    if not api_key and not _is_loopback(host):
+        console.print(
+            f"[red]art serve: refusing to listen on {host!r} without an API key.[/] Pass --api-key KEY "
+            "or set ART_API_KEY, or bind 127.0.0.1 (the default).",
+            soft_wrap=True,
+        )
+        raise typer.Exit(2)
+    import uvicorn
+
+    from art_core.service import ModelService
+    from art_core.training_api import create_server_app
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[_rich_handler()])
+    service = ModelService(path)
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}"
+    auth = "an API key is required" if api_key else "no API key (loopback only)"
+    console.print(f"art serve: {url} (OpenAI base URL {url}/v1), storage {path}, {auth}", soft_wrap=True)
+    try:
+        uvicorn.run(create_server_app(service, api_key=api_key), host=host, port=port, log_level=log_level)
+    finally:
+        service.close()
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _rich_handler() -> logging.Handler:
+    from rich.logging import RichHandler
+
+    return RichHandler(console=console)
 
 
 def _quiet_logs() -> None:

@@ -4,7 +4,9 @@
 `DynamicCache` and decodes one token per step for every row until all rows have finished,
 under whatever grad/eval mode the caller set (the engine uses `torch.inference_mode` and eval
 mode). With a peft model it passes `adapter_names` (one per row, "__base__" for the base model)
-to every forward, so rows with different LoRA adapters share the batch.
+to every forward, so rows with different LoRA adapters share the batch. Rows with the same
+prompt and adapter (the n completions of a request, a GRPO group) are prefilled once and their
+cache rows copied.
 """
 
 from __future__ import annotations
@@ -122,14 +124,22 @@ class DecodeBatch:
         self.cache = DynamicCache(config=model.config)
         self.cache_kwarg = cache_kwarg(model)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] (float32, on the CPU where rows sample) of the last position, extending the cache."""
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: list[int] | None = None
+    ) -> torch.Tensor:
+        """Logits [B, V] (float32, on the CPU where rows sample) of the last position, extending the cache.
+
+        `rows`: the forward covers only these rows (of the mask and adapter names), e.g. a prefill.
+        """
         kwargs: dict[str, Any] = {self.cache_kwarg: self.cache}
+        mask, names = self.mask, self.adapter_names
+        if rows is not None:
+            mask, names = mask[torch.tensor(rows, device=self.device)], [names[i] for i in rows]
         if self.use_adapter_names:
-            kwargs["adapter_names"] = self.adapter_names
+            kwargs["adapter_names"] = names
         out = self.model(
             input_ids=input_ids.to(self.device),
-            attention_mask=self.mask,
+            attention_mask=mask,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
@@ -137,9 +147,22 @@ class DecodeBatch:
         )
         return out.logits[:, -1, :].float().cpu()
 
+    def prefill(self) -> torch.Tensor:
+        """The logits after every row's prompt; rows with the same prompt and adapter share one forward."""
+        first: dict[tuple[Any, ...], int] = {}
+        slots = [first.setdefault((r.adapter, *r.prompt_ids), len(first)) for r in self.rows]
+        if len(first) == len(self.rows):
+            return self.forward(self.input_ids, self.positions)
+        owners = [slots.index(slot) for slot in range(len(first))]
+        picked = torch.tensor(owners, device=self.device)
+        logits = self.forward(self.input_ids[picked], self.positions[picked], rows=owners)
+        expand = torch.tensor(slots)
+        self.cache.batch_select_indices(expand.to(self.device))
+        return logits[expand]
+
     def run(self, prune_fraction: float) -> None:
         """Decode until every row has finished."""
-        logits = self.forward(self.input_ids, self.positions)
+        logits = self.prefill()
         last = self.positions[:, -1]
         while True:
             next_ids = self.step(logits)

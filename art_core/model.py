@@ -7,6 +7,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from art_core.backends.base import Backend, InferenceInfo, ProgressCallback, TrainResult
+from art_core.capture import (
+    active_rollout,
+    add_rollout_header,
+    add_rollout_header_async,
+    rollout_base_url,
+    server_root,
+)
 from art_core.checkpoints import validate_name
 from art_core.config import TrainConfig
 from art_core.types import TrajectoryGroup
@@ -49,6 +56,7 @@ class TrainableModel:
         self._backend: Backend | None = None
         self._info: InferenceInfo | None = None
         self._client: Any = None
+        self._sync_client: Any = None
 
     def __repr__(self) -> str:
         return f"TrainableModel(project={self.project!r}, name={self.name!r}, base_model={self.base_model!r})"
@@ -58,17 +66,22 @@ class TrainableModel:
         self._info = await backend.register(self)
         self._backend = backend
         self._client = None
+        self._sync_client = None
 
     @property
     def backend(self) -> Backend:
         if self._backend is None:
-            raise NotRegisteredError(f"{self!r} is not registered: call `await model.register(backend)` first")
+            raise NotRegisteredError(
+                f"{self!r} is not registered: call `await model.register(backend)` first"
+            )
         return self._backend
 
     @property
     def inference(self) -> InferenceInfo:
         if self._info is None:
-            raise NotRegisteredError(f"{self!r} is not registered: call `await model.register(backend)` first")
+            raise NotRegisteredError(
+                f"{self!r} is not registered: call `await model.register(backend)` first"
+            )
         return self._info
 
     @property
@@ -84,20 +97,59 @@ class TrainableModel:
         return self.name if step is None else f"{self.name}@{step}"
 
     def openai_client(self) -> Any:
-        """An `openai.AsyncOpenAI` pointed at our server (cached)."""
+        """An `openai.AsyncOpenAI` pointed at our server (cached).
+
+        Inside a rollout scope (`integrations.scope.rollout`) its requests carry the rollout's
+        `X-Rollout-Id` header, so the server records them into that rollout.
+        """
         if self._client is None:
-            from openai import AsyncOpenAI
+            from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
             info = self.inference
-            self._client = AsyncOpenAI(base_url=info.base_url, api_key=info.api_key, timeout=1200, max_retries=0)
+            http_client = DefaultAsyncHttpxClient(event_hooks={"request": [add_rollout_header_async]})
+            self._client = AsyncOpenAI(
+                base_url=info.base_url,
+                api_key=info.api_key,
+                timeout=1200,
+                max_retries=0,
+                http_client=http_client,
+            )
         return self._client
 
+    def sync_openai_client(self) -> Any:
+        """An `openai.OpenAI` (blocking) pointed at our server (cached); captured like `openai_client()`.
+
+        A thread sees the rollout scope when it runs in a copy of the caller's context
+        (`asyncio.to_thread` does this; `loop.run_in_executor` and bare threads do not).
+        """
+        if self._sync_client is None:
+            from openai import DefaultHttpxClient, OpenAI
+
+            info = self.inference
+            http_client = DefaultHttpxClient(event_hooks={"request": [add_rollout_header]})
+            self._sync_client = OpenAI(
+                base_url=info.base_url,
+                api_key=info.api_key,
+                timeout=1200,
+                max_retries=0,
+                http_client=http_client,
+            )
+        return self._sync_client
+
     def litellm_completion_params(self, step: int | None = None) -> dict[str, Any]:
-        """Keyword arguments for `litellm.completion`/`acompletion` that reach this model."""
+        """Keyword arguments for `litellm.completion`/`acompletion` that reach this model.
+
+        Called inside a rollout scope on this model's server, `api_base` is the rollout-scoped
+        URL, so the calls made with these params are recorded into that rollout.
+        """
         info = self.inference
+        api_base = info.base_url
+        rollout = active_rollout()
+        if rollout is not None and rollout.server_url == server_root(info.base_url):
+            api_base = rollout_base_url(info.base_url, rollout.id)
         return {
             "model": f"openai/{self.get_inference_name(step)}",
-            "api_base": info.base_url,
+            "api_base": api_base,
             "api_key": info.api_key,
             "temperature": 1.0,
         }
@@ -110,9 +162,13 @@ class TrainableModel:
         on_progress: ProgressCallback | None = None,
     ) -> TrainResult:
         """One GRPO step on `groups`; the server serves the new LoRA as soon as it returns."""
-        result = await self.backend.train(self, list(groups), config or TrainConfig(), on_progress=on_progress)
+        result = await self.backend.train(
+            self, list(groups), config or TrainConfig(), on_progress=on_progress
+        )
         if not result.trained:
-            logger.warning("step %d: %s", result.step, result.warnings[0] if result.warnings else "nothing trained")
+            logger.warning(
+                "step %d: %s", result.step, result.warnings[0] if result.warnings else "nothing trained"
+            )
         return result
 
     async def get_step(self) -> int:
@@ -127,7 +183,9 @@ class TrainableModel:
     async def delete_checkpoints(self, best_checkpoint_metric: str = "train/reward") -> list[int]:
         """Delete every checkpoint but the latest and the best by `best_checkpoint_metric`."""
         history = await self.history()
-        scored = [(float(h[best_checkpoint_metric]), int(h["step"])) for h in history if best_checkpoint_metric in h]
+        scored = [
+            (float(h[best_checkpoint_metric]), int(h["step"])) for h in history if best_checkpoint_metric in h
+        ]
         keep = {await self.get_step()}
         if scored:
             keep.add(max(scored)[1])

@@ -1,10 +1,14 @@
-"""The OpenAI-compatible HTTP server: `/v1/chat/completions`, `/v1/models`, `/health`.
+"""The OpenAI-compatible HTTP server: `/v1/chat/completions`, `/v1/models`, `/health`, rollout capture.
 
 Every choice carries, beside OpenAI's fields, the exact tokens it came from: `prompt_token_ids`,
 `token_ids` (sampled, including the final eos), `token_logprobs` (aligned with `token_ids`) and
 `served_model` (the name the client asked for, e.g. "agent-001@3"). Errors use OpenAI's JSON
 shape `{"error": {"message", "type", "param", "code"}}`: unknown model 404, bad parameters and
 prompts that do not fit 400, a wrong API key 401, engine failures 500.
+
+Rollout capture (see `art_core.capture`): a chat completion sent with an `X-Rollout-Id` header, or
+to the rollout-scoped base URL `/rollouts/{id}/v1`, is recorded under that id; `GET
+/rollouts/{id}/records` reads the records and `DELETE /rollouts/{id}` returns and forgets them.
 
 Left out for now: streaming, `tool_choice` "required" or a named function, and
 `response_format` other than text (all answered with a 400 that says so).
@@ -30,6 +34,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from art_core.capture import (
+    ROLLOUT_ID_HEADER,
+    InvalidRolloutIdError,
+    RolloutRecorder,
+    RolloutRecords,
+    call_record,
+    validate_rollout_id,
+)
 from art_core.chat_template import parse_tool_calls, render_prompt
 from art_core.engine import (
     Completion,
@@ -384,10 +396,17 @@ def _install_error_handlers(app: FastAPI) -> None:
         return APIError(exc.status_code, str(exc.detail)).response()
 
 
-def create_app(router: ModelRouter, *, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app; with `api_key`, every route needs `Authorization: Bearer <api_key>`."""
+def create_app(
+    router: ModelRouter, *, api_key: str | None = None, recorder: RolloutRecorder | None = None
+) -> FastAPI:
+    """The FastAPI app; with `api_key`, every route needs `Authorization: Bearer <api_key>`.
+
+    `recorder` keeps the rollout records (a fresh one when None); it is also `app.state.recorder`.
+    """
     app = FastAPI(title="art_core OpenAI-compatible server")
     _install_error_handlers(app)
+    recorder = recorder if recorder is not None else RolloutRecorder()
+    app.state.recorder = recorder
 
     if api_key is not None:
 
@@ -403,17 +422,72 @@ def create_app(router: ModelRouter, *, api_key: str | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        created = int(time.time())
-        data = [
-            {"id": n, "object": "model", "created": created, "owned_by": "art"} for n in router.model_names()
-        ]
-        return {"object": "list", "data": data}
+        return _models_body(router)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> JSONResponse:
-        return JSONResponse(await chat_completion(router, body))
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse:
+        rollout_id = _checked_rollout_id(request.headers.get(ROLLOUT_ID_HEADER), "header")
+        return JSONResponse(await _recorded_completion(router, recorder, body, rollout_id))
 
+    _install_rollout_routes(app, router, recorder)
     return app
+
+
+def _models_body(router: ModelRouter) -> dict[str, Any]:
+    created = int(time.time())
+    data = [{"id": n, "object": "model", "created": created, "owned_by": "art"} for n in router.model_names()]
+    return {"object": "list", "data": data}
+
+
+# -- rollout capture ----------------------------------------------------------------------------
+
+
+def _checked_rollout_id(rollout_id: str | None, where: str) -> str | None:
+    if rollout_id is None:
+        return None
+    try:
+        return validate_rollout_id(rollout_id)
+    except InvalidRolloutIdError as exc:
+        param = ROLLOUT_ID_HEADER if where == "header" else "rollout_id"
+        raise APIError(400, str(exc), param=param, code="invalid_rollout_id") from exc
+
+
+async def _recorded_completion(
+    router: ModelRouter, recorder: RolloutRecorder, req: ChatCompletionRequest, rollout_id: str | None
+) -> dict[str, Any]:
+    """`chat_completion`, recorded under `rollout_id` when one is given."""
+    seq = recorder.next_seq()
+    response = await chat_completion(router, req)
+    if rollout_id is not None:
+        messages = [m.model_dump(exclude_unset=True) for m in req.messages]
+        recorder.record(rollout_id, call_record(seq, req.model, messages, req.tools, response))
+    return response
+
+
+def _install_rollout_routes(app: FastAPI, router: ModelRouter, recorder: RolloutRecorder) -> None:
+    """`/rollouts/{id}/v1/...` (an OpenAI base URL that records), plus reading and freeing records."""
+
+    @app.post("/rollouts/{rollout_id}/v1/chat/completions")
+    async def rollout_chat_completions(rollout_id: str, body: ChatCompletionRequest) -> JSONResponse:
+        checked = _checked_rollout_id(rollout_id, "path")
+        return JSONResponse(await _recorded_completion(router, recorder, body, checked))
+
+    @app.get("/rollouts/{rollout_id}/v1/models")
+    async def rollout_models(rollout_id: str) -> dict[str, Any]:
+        _checked_rollout_id(rollout_id, "path")
+        return _models_body(router)
+
+    @app.get("/rollouts/{rollout_id}/records")
+    async def rollout_records(rollout_id: str) -> JSONResponse:
+        checked = _checked_rollout_id(rollout_id, "path") or rollout_id
+        body = RolloutRecords(rollout_id=checked, records=recorder.peek(checked))
+        return JSONResponse(body.model_dump(mode="json"))
+
+    @app.delete("/rollouts/{rollout_id}")
+    async def forget_rollout(rollout_id: str) -> JSONResponse:
+        checked = _checked_rollout_id(rollout_id, "path") or rollout_id
+        body = RolloutRecords(rollout_id=checked, records=recorder.pop(checked))
+        return JSONResponse(body.model_dump(mode="json"))
 
 
 # -- serving in a thread ------------------------------------------------------------------------

@@ -97,9 +97,7 @@ class ModelService:
         peft_model = attach_lora(loaded.model, lora, adapter_name=LIVE_ADAPTER)
         storage = ModelStorage.create(self.base_path, spec.project, spec.name)
         storage.write_json("model.json", spec.model_dump())
-        trainer = Trainer(
-            peft_model, pad_id=_pad_id(loaded), adapter_name=LIVE_ADAPTER, config=TrainConfig()
-        )
+        trainer = Trainer(peft_model, pad_id=_pad_id(loaded), adapter_name=LIVE_ADAPTER, config=TrainConfig())
         step = storage.latest_step()
         if step > 0:
             trainer.load_state(storage.checkpoint_dir(step))

@@ -6,11 +6,10 @@ by the whole batch (`BatchTotals`), so the split into micro-batches does not cha
 
 Log-probs come from the base transformer body's final hidden states and the output head, in
 chunks (`token_logprobs`), so full-vocabulary logits for a whole micro-batch never exist at once,
-and only at the positions that are needed (trained tokens when training). Sequences of a
-micro-batch that start with the same tokens (a group's shared prompt) run that prefix once: its
-keys and values are expanded (no copy) along the batch for the rest of each sequence, and autograd
-sums the gradients that flow back into it, so the update equals the unshared computation.
-Training micro-batches are therefore formed within each group. The decoder is never
+and only at the positions that are needed (trained tokens when training). The body's pass
+(`training_forward`) runs a prefix common to a micro-batch's sequences (a group's prompt) once and
+adds each LoRA update with one addmm; the update equals the plain computation up to float rounding.
+Training micro-batches are therefore formed within each group. The body is never
 gradient-checkpointed. The KL reference is the same model with the adapter disabled: no second
 copy of the weights.
 
@@ -22,7 +21,6 @@ optimizer's hyper-parameters and parameter names as JSON.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import math
@@ -36,12 +34,12 @@ from peft import PeftModel
 from peft.utils import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers.cache_utils import DynamicLayer
 
 from art_core.batch import BatchTotals, PreparedBatch, TrainingExample, collate, micro_batches
 from art_core.config import TrainConfig
 from art_core.logprobs import token_logprobs
 from art_core.loss import LossBatch, compute_loss
+from art_core.training_forward import fused_lora, has_dropout, hidden_states_at, shared_prefix_length
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +51,6 @@ STATE_FORMAT = 1
 
 _SUMMED_METRICS = ("loss", "policy_loss", "kl_loss", "tokens", "sequences")
 """Metrics that add up across micro-batches; the others are token-weighted means."""
-
-MIN_SHARED_PREFIX = 4
-"""Shortest common prefix (tokens) worth a separate forward pass."""
 
 
 def decoder_and_head(model: PeftModel) -> tuple[nn.Module, nn.Module]:
@@ -105,12 +100,8 @@ class Trainer:
             self.params, lr=config.learning_rate, betas=config.adam_betas, weight_decay=config.weight_decay
         )
         self._decoder, self._head = decoder_and_head(model)
-        self._cache_arg = _cache_argument(self._decoder)
-        config_dropout = float(getattr(model.get_base_model().config, "attention_dropout", 0.0) or 0.0)
-        self._share_prefixes = share_prefixes and config_dropout == 0.0 and not any(
-            isinstance(module, nn.Dropout) and module.p > 0 for module in model.modules()
-        )
-        """Prefix sharing needs no dropout: one dropout draw for the prefix would replace one per row."""
+        self._share_prefixes = share_prefixes and not has_dropout(model)
+        """One dropout draw for a shared prefix would replace one per row, so dropout turns sharing off."""
 
     @property
     def device(self) -> torch.device:
@@ -142,50 +133,16 @@ class Trainer:
             self.model.eval()
 
     def shared_prefix_length(self, input_ids: Tensor, attention_mask: Tensor) -> int:
-        """Leading tokens common to every row that one forward pass can compute for all; 0 for none.
-
-        Each row keeps at least one token of its own; sharing needs 2+ rows, no dropout, and at least
-        `MIN_SHARED_PREFIX` common tokens.
-        """
-        if input_ids.shape[0] < 2 or not self._share_prefixes or self._cache_arg is None:
-            return 0
-        same = ((input_ids == input_ids[:1]) & (attention_mask > 0)).all(dim=0)
-        common = int(same.long().cumprod(dim=0).sum())
-        common = min(common, int(attention_mask.sum(dim=1).min()) - 1)
-        return common if common >= MIN_SHARED_PREFIX else 0
-
-    def _hidden_at(self, batch: dict[str, Tensor], positions: Tensor) -> tuple[Tensor, int]:
-        """[N, H] final hidden states at the true entries of `positions` [B, T] (row-major order), and
-        the shared prefix length used."""
-        ids, attention = batch["input_ids"], batch["attention_mask"]
-        rows, cols = positions.nonzero(as_tuple=True)
-        prefix = self.shared_prefix_length(ids, attention)
-        if prefix > 0:
-            shared = self._decoder(
-                input_ids=ids[:1, :prefix], attention_mask=attention[:1, :prefix], use_cache=True
-            )
-            cache = getattr(shared, self._cache_arg)
-            layers = getattr(cache, "layers", None)
-            if layers and all(type(layer) is DynamicLayer for layer in layers):
-                batch_size, length = ids.shape
-                for layer in layers:  # the prefix's keys and values, seen by every row without a copy
-                    layer.keys = layer.keys.expand(batch_size, -1, -1, -1)
-                    layer.values = layer.values.expand(batch_size, -1, -1, -1)
-                rest = self._decoder(
-                    input_ids=ids[:, prefix:],
-                    attention_mask=attention,
-                    use_cache=True,
-                    **{self._cache_arg: cache},
-                ).last_hidden_state
-                table = torch.cat([shared.last_hidden_state[0], rest.reshape(-1, rest.shape[-1])])
-                index = torch.where(cols < prefix, cols, prefix + rows * (length - prefix) + cols - prefix)
-                return table[index], prefix
-        hidden = self._decoder(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
-        return hidden[rows, cols], 0
+        """Leading tokens of a micro-batch that one forward pass computes for all its rows; 0 for none."""
+        return shared_prefix_length(input_ids, attention_mask) if self._share_prefixes else 0
 
     def _logprobs(self, batch: dict[str, Tensor], positions: Tensor) -> tuple[Tensor, int]:
         """[B, T] float32 log-probs of the targets at `positions` (0 elsewhere) and the shared prefix."""
-        hidden, prefix = self._hidden_at(batch, positions)
+        ids, attention = batch["input_ids"], batch["attention_mask"]
+        with fused_lora(self.model, self.adapter_name):
+            hidden, prefix = hidden_states_at(
+                self._decoder, ids, attention, positions, self.shared_prefix_length(ids, attention)
+            )
         picked, _ = token_logprobs(
             hidden[None],
             self._head,
@@ -289,7 +246,7 @@ class Trainer:
 
     def _micro_batches(self, examples: list[TrainingExample]) -> list[list[TrainingExample]]:
         """`micro_batches` within each group (whose sequences share their prompt), when prefixes can be shared."""
-        if not self._share_prefixes or self._cache_arg is None:
+        if not self._share_prefixes:
             return micro_batches(examples, self.config.micro_batch_tokens)
         groups: dict[int, list[TrainingExample]] = {}
         for example in examples:
@@ -335,12 +292,6 @@ class Trainer:
         _load_adapter(self.model, self.adapter_name, directory / ADAPTER_WEIGHTS)
         self.optimizer.load_state_dict(_optimizer_state(load_file(str(directory / OPTIMIZER_FILE)), state))
         _set_rng_state(load_file(str(directory / RNG_FILE)))
-
-
-def _cache_argument(decoder: nn.Module) -> str | None:
-    """Name of the decoder's keyword for a key/value cache ("cache" in newer transformers); None if it has none."""
-    parameters = inspect.signature(decoder.forward).parameters
-    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
 def combine_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:

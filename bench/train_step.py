@@ -15,9 +15,11 @@ learning rate and one AdamW step with the gradient norm clipped to 1.0.
 - matmul: the machine's fp32 and bf16 `torch.mm` throughput (2048 x 2048, best of 5), for the fraction
   of it that our step reaches.
 
-Each runs in its own subprocess (this file with `--worker NAME`), so that each peak RSS
-(`ru_maxrss`) is its own. Every worker uses the same torch thread count. Times are the median of
-`--repeats` steps after one warm-up step. The last line printed is a JSON object.
+Each runs in its own subprocess (this file with `--worker NAME`), so each peak RSS (`ru_maxrss`) is its
+own, with the same torch thread count. The two trainers' processes run side by side but take turns
+(ours, trl, ours, trl, ...; the idle one blocks on a pipe), so load from other programs on the machine
+hits both alike. A time is the median of `--repeats` steps after one warm-up step. The last line
+printed is a JSON object.
 
 Usage: python bench/train_step.py [--repeats 3] [--threads N] [--dtype float32|bfloat16] [--trl-full]
 """
@@ -34,8 +36,9 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
@@ -51,28 +54,46 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-def _setup(threads: int) -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore")
-    sys.path.insert(0, str(ROOT))
-    import torch
-
-    torch.set_num_threads(threads)
-
-
 def _dtype(name: str) -> Any:
     import torch
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+class Steps:
+    """A worker's side of the turn-taking: wait for "go" on stdin, run one step, answer with its times."""
+
+    def __init__(self, channel: IO[str]) -> None:
+        self.channel = channel
+        self.times: list[float] = []
+        self.cpu_times: list[float] = []
+        self._start = self._cpu = 0.0
+
+    def ready(self) -> None:
+        self.channel.write("ready\n")
+
+    def begin(self) -> None:
+        if sys.stdin.readline().strip() != "go":
+            raise SystemExit("the benchmark stopped this worker")
+        self._start, self._cpu = time.perf_counter(), time.process_time()
+
+    def end(self) -> None:
+        self.times.append(time.perf_counter() - self._start)
+        self.cpu_times.append(time.process_time() - self._cpu)
+        self.channel.write(f"{self.times[-1]}\n")
+
+    def run(self, step: Callable[[], Any], count: int) -> None:
+        for _ in range(count):
+            self.begin()
+            step()
+            self.end()
+
+
 # --------------------------------------------------------------------------------------------------
 # workers (each runs in its own process)
 
 
-def worker_data(args: argparse.Namespace) -> dict[str, Any]:
+def worker_data(args: argparse.Namespace, steps: Steps) -> dict[str, Any]:
     """Prompt ids, 8 sampled completions of exactly 64 tokens, rewards and advantages; model shape."""
     import torch
 
@@ -80,14 +101,10 @@ def worker_data(args: argparse.Namespace) -> dict[str, Any]:
     from art_core.models import load_model
 
     loaded = load_model(MODEL)
-    messages = [{"role": "user", "content": PROMPT}]
-    prompt_ids = list(
-        loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    rendered = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True
     )
-    if prompt_ids and not isinstance(prompt_ids[0], int):  # a BatchEncoding-like answer
-        prompt_ids = list(
-            loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
-        )
+    prompt_ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
     torch.manual_seed(0)
     with torch.no_grad():
         out = loaded.model.generate(
@@ -118,9 +135,8 @@ def worker_data(args: argparse.Namespace) -> dict[str, Any]:
             "kv_heads": cfg.num_key_value_heads,
             "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             "vocab": cfg.vocab_size,
-            "params": sum(p.numel() for p in loaded.model.parameters()),
         },
-        "sample": loaded.tokenizer.decode(completions[0][:24]),
+        "sample": loaded.tokenizer.decode(completions[0][:16]),
     }
 
 
@@ -134,7 +150,7 @@ def _changed(before: dict[str, Any], named: list[tuple[str, Any]]) -> int:
     return sum(not torch.equal(before[name], param.detach()) for name, param in named)
 
 
-def worker_ours(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
+def worker_ours(args: argparse.Namespace, steps: Steps, data: dict[str, Any]) -> dict[str, Any]:
     from art_core.batch import prepare_batch
     from art_core.config import TrainConfig
     from art_core.lora import LoRAConfig, attach_lora
@@ -159,31 +175,25 @@ def worker_ours(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any
     trainer = Trainer(model, pad_id=loaded.tokenizer.pad_token_id, config=config)
     named = list(zip(trainer.param_names, trainer.params, strict=True))
     before = _lora_snapshot(named)
-    start = time.perf_counter()
-    metrics = trainer.train_step(batch)
-    warmup = time.perf_counter() - start
-    times, cpu_times = [], []
-    for _ in range(args.repeats):
-        start, cpu = time.perf_counter(), time.process_time()
-        metrics = trainer.train_step(batch)
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu)
+    metrics: list[dict[str, float]] = []
+    steps.ready()
+    steps.run(lambda: metrics.append(trainer.train_step(batch)), 1 + args.repeats)
     return {
-        "times": times,
-        "cpu_times": cpu_times,
-        "warmup_s": warmup,
+        "times": steps.times[1:],
+        "cpu_times": steps.cpu_times[1:],
+        "warmup_s": steps.times[0],
         "baseline_gb": baseline,
         "peak_gb": _rss_gb(),
         "changed_params": _changed(before, named),
         "trainable_params": len(named),
-        "trained": metrics["trained"],
-        "loss": metrics["loss"],
-        "shared_prefix_tokens": metrics.get("shared_prefix_tokens", 0.0),
-        "micro_batches": metrics["micro_batches"],
+        "trained": all(m["trained"] == 1.0 for m in metrics),
+        "first_grad_norm": metrics[0]["grad_norm"],
+        "shared_prefix_tokens": metrics[-1].get("shared_prefix_tokens", 0.0),
+        "micro_batches": metrics[-1]["micro_batches"],
     }
 
 
-def _trl_trainer(args: argparse.Namespace, data: dict[str, Any], output_dir: str, max_steps: int) -> Any:
+def _trl_trainer(args: argparse.Namespace, max_steps: int, output_dir: str) -> Any:
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
@@ -221,86 +231,94 @@ def _trl_trainer(args: argparse.Namespace, data: dict[str, Any], output_dir: str
         target_modules=list(DEFAULT_TARGET_MODULES),
         task_type="CAUSAL_LM",
     )
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": PROMPT}]}])
 
     def reward(completions: list[Any], **kwargs: Any) -> list[float]:
         return [float(i % 2 == 0) for i in range(len(completions))]
 
-    return loaded, GRPOTrainer(
+    return GRPOTrainer(
         model=loaded.model,
         reward_funcs=reward,
         args=config,
-        train_dataset=dataset,
+        train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": PROMPT}]}]),
         processing_class=loaded.tokenizer,
         peft_config=lora,
     )
 
 
-def _step_timer() -> Any:
+def _trl_callback(begin: Callable[[], None], end: Callable[[], None]) -> Any:
+    """A TrainerCallback that calls `begin` when a step starts and `end` when it ends."""
     from transformers import TrainerCallback
 
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.cpu_times: list[float] = []
-            self._start = self._cpu = 0.0
-
+    class StepHooks(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self._start, self._cpu = time.perf_counter(), time.process_time()
+            begin()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self.times.append(time.perf_counter() - self._start)
-            self.cpu_times.append(time.process_time() - self._cpu)
+            end()
 
-    return StepTimer()
+    return StepHooks()
 
 
-def worker_trl(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
+def _trl_inputs(data: dict[str, Any]) -> dict[str, Any]:
+    """What TRL's `_generate_and_score_completions` returns for these completions (no old/ref log-probs:
+    on-policy with one iteration and beta = 0, as TRL itself does then)."""
     import torch
 
+    prompt = torch.tensor([data["prompt_ids"]] * COMPLETIONS)
+    completion = torch.tensor(data["completion_ids"])
+    return {
+        "prompt_ids": prompt,
+        "prompt_mask": torch.ones_like(prompt),
+        "completion_ids": completion,
+        "completion_mask": torch.ones_like(completion),
+        "advantages": torch.tensor(data["advantages"], dtype=torch.float32),
+        "num_items_in_batch": torch.tensor(float(completion.numel())),
+    }
+
+
+def worker_trl(args: argparse.Namespace, steps: Steps, data: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as output_dir:
-        loaded, trainer = _trl_trainer(args, data, output_dir, max_steps=1 + args.repeats)
+        trainer = _trl_trainer(args, 1 + args.repeats, output_dir)
         baseline = _rss_gb()
-        prompt = torch.tensor([data["prompt_ids"]] * COMPLETIONS)
-        completion = torch.tensor(data["completion_ids"])
-        inputs = {
-            "prompt_ids": prompt,
-            "prompt_mask": torch.ones_like(prompt),
-            "completion_ids": completion,
-            "completion_mask": torch.ones_like(completion),
-            "advantages": torch.tensor(data["advantages"], dtype=torch.float32),
-            "num_items_in_batch": torch.tensor(float(completion.numel())),
-        }
-        # TRL's step minus generation and scoring: the same completions and advantages every step.
+        inputs = _trl_inputs(data)
         trainer._generate_and_score_completions = lambda batch: {k: v.clone() for k, v in inputs.items()}
         named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
         before = _lora_snapshot(named)
-        timer = _step_timer()
-        trainer.add_callback(timer)
+        callback = _trl_callback(steps.begin, steps.end)
+        trainer.add_callback(callback)
+        steps.ready()
         trainer.train()
+        grad_norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
         result = {
-            "times": timer.times[1:],
-            "cpu_times": timer.cpu_times[1:],
-            "warmup_s": timer.times[0],
+            "times": steps.times[1:],
+            "cpu_times": steps.cpu_times[1:],
+            "warmup_s": steps.times[0],
             "baseline_gb": baseline,
             "peak_gb": _rss_gb(),
             "changed_params": _changed(before, named),
             "trainable_params": len(named),
+            "first_grad_norm": float(grad_norms[0]),
             "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
         }
-        if args.trl_full:
+        if args.trl_full:  # TRL's real step: generation and scoring included
             del trainer._generate_and_score_completions
-            trainer.remove_callback(timer)
-            full = _step_timer()
-            trainer.add_callback(full)
+            trainer.remove_callback(callback)
+            starts: list[float] = []
+            full_times: list[float] = []
+            trainer.add_callback(
+                _trl_callback(
+                    lambda: starts.append(time.perf_counter()),
+                    lambda: full_times.append(time.perf_counter() - starts[-1]),
+                )
+            )
             trainer.args.max_steps = 2
             trainer.train()
-            result["full_times"] = full.times
+            result["full_times"] = full_times
             result["full_peak_gb"] = _rss_gb()
     return result
 
 
-def worker_matmul(args: argparse.Namespace) -> dict[str, Any]:
+def worker_matmul(args: argparse.Namespace, steps: Steps) -> dict[str, Any]:
     import torch
 
     n = 2048
@@ -320,7 +338,30 @@ def _timed(fn: Any, *args: Any) -> float:
     return time.perf_counter() - start
 
 
-WORKERS = {"data": worker_data, "ours": worker_ours, "trl": worker_trl, "matmul": worker_matmul}
+WORKERS: dict[str, Callable[..., dict[str, Any]]] = {
+    "data": worker_data,
+    "ours": worker_ours,
+    "trl": worker_trl,
+    "matmul": worker_matmul,
+}
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """Entry point of a worker process: protocol lines on the real stdout, everything else on stderr."""
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # libraries that print (TRL's logs) go to stderr
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore")
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    steps = Steps(channel)
+    fn = WORKERS[args.worker]
+    result = fn(args, steps, json.loads(args.data.read_text())) if args.data else fn(args, steps)
+    args.out.write_text(json.dumps(result))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -346,17 +387,13 @@ def step_flops(
     head = 2 * model["vocab"] * h * n * completion
     length = prompt + completion - 1  # input positions of one sequence
 
-    def decoder(first: int, copies: int) -> float:
-        """Forward + backward of positions [first, length) for `copies` sequences."""
-        tokens = copies * (length - first)
-        keys = copies * sum(p + 1 for p in range(first, length))
-        return (2 * base + 3 * lora) * tokens + 3 * per_key * keys
+    def positions(first: int, last: int, copies: int) -> float:
+        """Forward + backward of positions [first, last) for `copies` sequences."""
+        keys = sum(p + 1 for p in range(first, last))
+        return copies * ((2 * base + 3 * lora) * (last - first) + 3 * per_key * keys)
 
-    def prefix(count: int) -> float:
-        return (2 * base + 3 * lora) * count + 3 * per_key * sum(p + 1 for p in range(count))
-
-    naive = decoder(0, n) + 2 * head
-    executed = prefix(shared_prefix) + decoder(shared_prefix, n) + 2 * head
+    naive = positions(0, length, n) + 2 * head
+    executed = positions(0, shared_prefix, 1) + positions(shared_prefix, length, n) + 2 * head
     return {"naive": naive, "executed": executed}
 
 
@@ -364,27 +401,49 @@ def step_flops(
 # orchestration
 
 
-def _run_worker(
-    name: str, args: argparse.Namespace, data_file: Path | None, out_file: Path
-) -> dict[str, Any]:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--out", str(out_file)]
-    command += ["--threads", str(args.threads), "--repeats", str(args.repeats), "--dtype", args.dtype]
-    if data_file is not None:
-        command += ["--data", str(data_file)]
-    if args.trl_full:
-        command.append("--trl-full")
-    start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        raise SystemExit(f"worker {name!r} failed with exit code {proc.returncode}")
-    result = json.loads(out_file.read_text())
-    result["wall_s"] = time.perf_counter() - start
-    return result
+class Worker:
+    """A worker process started by the benchmark."""
 
+    def __init__(self, name: str, args: argparse.Namespace, folder: Path, data: Path | None) -> None:
+        self.name = name
+        self.out = folder / f"{name}.json"
+        self.log = open(folder / f"{name}.log", "w+")  # noqa: SIM115
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--out", str(self.out)]
+        command += ["--threads", str(args.threads), "--repeats", str(args.repeats), "--dtype", args.dtype]
+        command += ["--data", str(data)] if data is not None else []
+        command += ["--trl-full"] if args.trl_full else []
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
+        )
 
-def _median(times: list[float]) -> float:
-    return statistics.median(times)
+    def _read(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.fail()
+        return line.strip()
+
+    def wait_ready(self) -> None:
+        if self._read() != "ready":
+            self.fail()
+
+    def step(self) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return float(self._read())
+
+    def result(self) -> dict[str, Any]:
+        if self.proc.wait() != 0:
+            self.fail()
+        return json.loads(self.out.read_text())
+
+    def fail(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.log.seek(0)
+        sys.stderr.write(self.log.read()[-6000:])
+        raise SystemExit(f"benchmark worker {self.name!r} failed (exit code {self.proc.returncode})")
 
 
 def main() -> None:
@@ -404,24 +463,37 @@ def main() -> None:
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-
+    if args.repeats < 1 or args.threads < 1:
+        parser.error("--repeats and --threads must be >= 1")
     if args.worker:
-        _setup(args.threads)
-        fn = WORKERS[args.worker]
-        data = json.loads(args.data.read_text()) if args.data else None
-        result = fn(args) if data is None else fn(args, data)  # type: ignore[operator]
-        args.out.write_text(json.dumps(result))
+        run_worker(args)
         return
 
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         data_file = folder / "data.json"
-        data = _run_worker("data", args, None, data_file)
+        data = Worker("data", args, folder, None).result()
         data_file.write_text(json.dumps(data))
-        ours = _run_worker("ours", args, data_file, folder / "ours.json")
-        trl = None if args.skip_trl else _run_worker("trl", args, data_file, folder / "trl.json")
-        matmul = _run_worker("matmul", args, None, folder / "matmul.json")
-    report(args, data, ours, trl, matmul)
+        racers = [Worker("ours", args, folder, data_file)]
+        if not args.skip_trl:
+            racers.append(Worker("trl", args, folder, data_file))
+        for racer in racers:
+            racer.wait_ready()
+        for _ in range(1 + args.repeats):
+            for racer in racers:
+                racer.step()
+        ours, *rest = [racer.result() for racer in racers]
+        trl = rest[0] if rest else None
+        matmul = Worker("matmul", args, folder, None).result()
+    report(args, data, ours, trl, matmul, (load_before, os.getloadavg()[0]))
+
+
+def _times(result: dict[str, Any]) -> str:
+    return (
+        f"median of {[round(t, 3) for t in result['times']]}, CPU {[round(t, 2) for t in result['cpu_times']]}, "
+        f"warm-up {result['warmup_s']:.2f} s"
+    )
 
 
 def report(
@@ -430,42 +502,51 @@ def report(
     ours: dict[str, Any],
     trl: dict[str, Any] | None,
     matmul: dict[str, Any],
+    load: tuple[float, float],
 ) -> None:
     prompt, n = len(data["prompt_ids"]), len(data["completion_ids"])
-    print(f"machine: {os.cpu_count()} CPUs, torch threads {args.threads}, base weights {args.dtype}")
+    print(
+        f"machine: {os.cpu_count()} CPUs, torch threads {args.threads}, base weights {args.dtype}, "
+        f"load average {load[0]:.1f} before, {load[1]:.1f} after"
+    )
+    if max(load) > (os.cpu_count() or 1) - args.threads + 0.5:
+        print(
+            "warning: other programs were using the CPUs; times are slower and noisier than on an idle machine"
+        )
     print(
         f"data: {n} sequences of {prompt} prompt + {COMPLETION_TOKENS} sampled tokens "
-        f"(first: {data['sample']!r}...), advantages {[round(a, 3) for a in data['advantages']]}"
+        f"({data['sample']!r}...), advantages {[round(a, 3) for a in data['advantages']]}"
     )
-    ours_s = _median(ours["times"])
+    ours_s = statistics.median(ours["times"])
     print(
-        f"ours: {ours_s:.3f} s/step (median of {[round(t, 3) for t in ours['times']]}, warm-up {ours['warmup_s']:.2f} s), "
-        f"peak RSS {ours['peak_gb']:.2f} GB (after model load {ours['baseline_gb']:.2f} GB), "
-        f"{ours['changed_params']}/{ours['trainable_params']} LoRA tensors updated, "
+        f"ours: {ours_s:.3f} s/step ({_times(ours)}); peak RSS {ours['peak_gb']:.2f} GB "
+        f"(after model load {ours['baseline_gb']:.2f}); {ours['changed_params']}/{ours['trainable_params']} "
+        f"LoRA tensors updated, first grad norm {ours['first_grad_norm']:.4f}, "
         f"shared prefix {ours['shared_prefix_tokens']:.0f} tokens"
     )
     trl_s = None
     if trl is not None:
-        trl_s = _median(trl["times"])
+        trl_s = statistics.median(trl["times"])
         print(
-            f"trl:  {trl_s:.3f} s/step (median of {[round(t, 3) for t in trl['times']]}, warm-up {trl['warmup_s']:.2f} s), "
-            f"peak RSS {trl['peak_gb']:.2f} GB (after model load {trl['baseline_gb']:.2f} GB), "
-            f"{trl['changed_params']}/{trl['trainable_params']} LoRA tensors updated, "
+            f"trl:  {trl_s:.3f} s/step ({_times(trl)}); peak RSS {trl['peak_gb']:.2f} GB "
+            f"(after model load {trl['baseline_gb']:.2f}); {trl['changed_params']}/{trl['trainable_params']} "
+            f"LoRA tensors updated, first grad norm {trl['first_grad_norm']:.4f}, "
             f"gradient checkpointing {'on' if trl['gradient_checkpointing'] else 'off'}"
         )
         if "full_times" in trl:
             print(
-                f"trl with generation (8 x 64 tokens): {[round(t, 2) for t in trl['full_times']]} s/step, "
+                f"trl with generation of 8 x 64 tokens: {[round(t, 2) for t in trl['full_times']]} s/step, "
                 f"peak RSS {trl['full_peak_gb']:.2f} GB"
             )
         print(f"ratio trl/ours: {trl_s / ours_s:.2f}x")
     flops = step_flops(data["model"], prompt, COMPLETION_TOKENS, n, int(ours["shared_prefix_tokens"]))
     peak = matmul[args.dtype]
-    fraction = flops["executed"] / ours_s / 1e9 / peak
+    fraction = flops["executed"] / 1e9 / ours_s / peak
     print(
-        f"matmul: fp32 {matmul['float32']:.0f} GFLOP/s, bf16 {matmul['bfloat16']:.0f} GFLOP/s (2048^3 mm, best of 5); "
-        f"our step executes {flops['executed'] / 1e9:.0f} GFLOP ({flops['naive'] / 1e9:.0f} without prefix sharing) "
-        f"= {flops['executed'] / 1e9 / ours_s:.0f} GFLOP/s = {fraction:.1%} of {args.dtype} mm throughput"
+        f"matmul: fp32 {matmul['float32']:.0f} GFLOP/s, bf16 {matmul['bfloat16']:.0f} GFLOP/s "
+        f"(2048^3 mm, best of 5); our step runs {flops['executed'] / 1e9:.0f} GFLOP "
+        f"({flops['naive'] / 1e9:.0f} without prefix sharing) at {flops['executed'] / 1e9 / ours_s:.0f} GFLOP/s "
+        f"= {fraction:.1%} of the {args.dtype} mm throughput"
     )
     result = {
         "ours_s": round(ours_s, 3),

@@ -39,7 +39,9 @@ async def main(base_model: str, steps: int, group_size: int, path: str) -> list[
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-model", default="smollm2-135m")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--group-size", type=int, default=8)

@@ -34,7 +34,9 @@ async def rollout(model: TrainableModel, favoured: set[int], seed: int | None = 
     return trajectory
 
 
-async def run_steps(model: TrainableModel, favoured: set[int], steps: int, seeded: bool = False) -> list[float]:
+async def run_steps(
+    model: TrainableModel, favoured: set[int], steps: int, seeded: bool = False
+) -> list[float]:
     rewards = []
     # Seeded runs leave out the engine's log-probs (truncated importance sampling), whose last bits
     # depend on how concurrent requests were batched; the rest of a step is then bit-reproducible.
@@ -94,7 +96,9 @@ async def test_restart_resumes_exactly(tmp_path, favoured):
             await model.register(backend)
             await run_steps(model, favoured, steps=steps, seeded=True)
             hosted = backend.service.get("m")
-            weights = {k: v.detach().clone() for k, v in hosted.trainer.model.named_parameters() if "lora_" in k}
+            weights = {
+                k: v.detach().clone() for k, v in hosted.trainer.model.named_parameters() if "lora_" in k
+            }
             await backend.close()
         return weights
 
@@ -103,7 +107,9 @@ async def test_restart_resumes_exactly(tmp_path, favoured):
     assert straight.keys() == resumed.keys()
     for key in straight:
         assert torch.equal(straight[key], resumed[key]), key
-    history = [json.loads(line) for line in (tmp_path / "b/resume/models/m/history.jsonl").read_text().splitlines()]
+    history = [
+        json.loads(line) for line in (tmp_path / "b/resume/models/m/history.jsonl").read_text().splitlines()
+    ]
     assert [h["step"] for h in history] == [1, 2, 3]
 
 
@@ -112,7 +118,9 @@ async def test_a_step_that_trains_nothing_says_so(tmp_path, caplog):
     backend = LocalBackend(tmp_path)
     await model.register(backend)
     try:
-        groups = await gather_trajectory_groups([TrajectoryGroup(rollout(model, set()) for _ in range(4))], pbar=False)
+        groups = await gather_trajectory_groups(
+            [TrajectoryGroup(rollout(model, set()) for _ in range(4))], pbar=False
+        )
         with caplog.at_level("WARNING"):
             result = await model.train(groups)
         assert not result.trained

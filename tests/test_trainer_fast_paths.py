@@ -15,6 +15,7 @@ from art_core.lora import LoRAConfig, attach_lora
 from art_core.loss import LossConfig
 from art_core.models import LoadedModel
 from art_core.trainer import Trainer
+from art_core.training_forward import fused_lora
 from art_core.types import Trajectory, TrajectoryGroup, Turn
 
 PAD = 0
@@ -161,9 +162,36 @@ def test_train_step_forms_micro_batches_within_groups(tiny_model: LoadedModel) -
     trainer = make_trainer(tiny_model, True, TrainConfig(learning_rate=1e-3))
     one, two = one_group_batch(seed=4), one_group_batch(seed=5)
     batch = PreparedBatch(
-        examples=one.examples + [type(e)(e.sequence, e.advantage, 1, e.trajectory_index) for e in two.examples],
+        examples=one.examples
+        + [type(e)(e.sequence, e.advantage, 1, e.trajectory_index) for e in two.examples],
         metrics={},
     )
     metrics = trainer.train_step(batch)
     assert metrics["trained"] == 1.0 and metrics["micro_batches"] == 2.0
     assert metrics["shared_prefix_tokens"] == 9
+
+
+def test_fused_lora_matches_peft_and_restores_the_layers(tiny_model: LoadedModel) -> None:
+    trainer = make_trainer(tiny_model, True, TrainConfig())
+    model = trainer.model
+    ids = torch.tensor([[5, 17, 300, 42, 9, 1000, 7]])
+
+    def logits_and_grads() -> tuple[Tensor, list[Tensor]]:
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids).logits
+        out.float().pow(2).mean().backward()
+        return out.detach(), [p.grad.clone() for p in trainer.params]  # type: ignore[union-attr]
+
+    plain, plain_grads = logits_and_grads()
+    with fused_lora(model, "default"):
+        assert any("forward" in vars(m) for m in model.modules())
+        fused, fused_grads = logits_and_grads()
+        with model.disable_adapter(), torch.no_grad():
+            base = model(input_ids=ids).logits
+    assert not any("forward" in vars(m) for m in model.modules())
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    for a, b in zip(fused_grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        expected_base = tiny_model.model(input_ids=ids).logits
+    torch.testing.assert_close(base, expected_base)

@@ -10,17 +10,22 @@ _EXPORTS = {
     "InferenceInfo": "art_core.backends.base",
     "TrainResult": "art_core.backends.base",
     "LocalBackend": "art_core.backends.local",
+    "RemoteBackend": "art_core.backends.remote",
+    "RemoteError": "art_core.backends.remote",
 }
 __all__ = [
     "Backend",
     "InferenceInfo",
     "LocalBackend",
+    "RemoteBackend",
+    "RemoteError",
     "TrainResult",
 ]
 
 if TYPE_CHECKING:
     from art_core.backends.base import Backend, InferenceInfo, TrainResult
     from art_core.backends.local import LocalBackend
+    from art_core.backends.remote import RemoteBackend, RemoteError
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from art_core.backends.base import InferenceInfo, ProgressCallback, TrainResult
+from art_core.capture import RolloutRecorder
 from art_core.config import TrainConfig
 from art_core.engine import EngineConfig
 from art_core.server import ServerHandle, create_app, serve_in_thread
@@ -46,11 +47,13 @@ class LocalBackend:
         self.service = ModelService(path, engine_config)
         self.host, self.port = host, port
         self.api_key = api_key or secrets.token_urlsafe(24)
+        self.recorder = RolloutRecorder()
+        """Records of chat completions made inside rollout scopes, until the scopes fetch them."""
         self._server: ServerHandle | None = None
 
     def _ensure_server(self) -> ServerHandle:
         if self._server is None:
-            app = create_app(self.service, api_key=self.api_key)
+            app = create_app(self.service, api_key=self.api_key, recorder=self.recorder)
             self._server = serve_in_thread(app, host=self.host, port=self.port)
         return self._server
 

@@ -1,0 +1,276 @@
+"""`RemoteBackend`: train and serve on an `art serve` process, over HTTP.
+
+```python
+backend = RemoteBackend("http://gpu-box:7999", api_key=os.environ["ART_API_KEY"])
+await model.register(backend)          # loads the model on the server (may take minutes)
+client = model.openai_client()         # talks to the server's /v1 directly
+await model.train(groups, on_progress=lambda phase, metrics: print(phase))
+```
+
+The routes are described in `art_core.training_api`. This module imports neither the server
+nor the trainer, so a client process does not load transformers.
+
+Timeouts: one long, configurable timeout (default an hour) per read, so registering a big
+model or a long training step never fails at an arbitrary short limit (ART #281); the train
+stream sends heartbeats, so that limit measures silence, not the whole step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import httpx
+from pydantic_core import to_jsonable_python
+
+from art_core.backends.base import InferenceInfo, ProgressCallback, TrainResult
+from art_core.config import TrainConfig
+from art_core.types import TrajectoryGroup
+
+if TYPE_CHECKING:
+    from art_core.model import TrainableModel
+
+PREFIX = "/v1/art/models"
+DEFAULT_TIMEOUT_S = 3600.0
+NO_KEY = "no-key"
+"""The API key handed to OpenAI clients when the server needs none (the client insists on one)."""
+
+
+class RemoteError(RuntimeError):
+    """The server answered with an error (OpenAI's JSON error shape); `status` is its HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(f"{status}: {message}" if status else message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+
+
+class RemoteBadRequestError(RemoteError):
+    """400: the request was wrong (a bad config, a missing or non-finite reward, a bad name)."""
+
+
+class RemoteAuthenticationError(RemoteError):
+    """401: the API key is missing or wrong."""
+
+
+class RemoteNotFoundError(RemoteError):
+    """404: no such model is registered on the server."""
+
+
+class RemoteUnavailableError(RemoteError, ConnectionError):
+    """No HTTP answer: the server is unreachable or the connection broke (`status` is 0)."""
+
+
+_BY_STATUS: dict[int, type[RemoteError]] = {
+    400: RemoteBadRequestError,
+    401: RemoteAuthenticationError,
+    404: RemoteNotFoundError,
+}
+
+
+def remote_error(status: int, body: Any) -> RemoteError:
+    """The typed exception for an error body (`{"error": {...}}`, or anything else)."""
+    error = body.get("error") if isinstance(body, dict) else None
+    cls = _BY_STATUS.get(status, RemoteError)
+    if not isinstance(error, dict):
+        return cls(status, str(body) or "no error message")
+    return cls(
+        status,
+        str(error.get("message") or "no error message"),
+        type=error.get("type"),
+        code=error.get("code"),
+        param=error.get("param"),
+    )
+
+
+def _error_of(response: httpx.Response) -> RemoteError:
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = response.text
+    return remote_error(response.status_code, body)
+
+
+def encode_train_request(groups: Sequence[TrajectoryGroup], config: TrainConfig) -> bytes:
+    """The JSON body of a train request. Non-finite floats stay `NaN`/`Infinity` (so the server
+    can reject a non-finite reward by name instead of seeing it as missing)."""
+    payload = {
+        "groups": [group.model_dump(mode="python") for group in groups],
+        "config": dataclasses.asdict(config),
+    }
+    return json.dumps(payload, default=to_jsonable_python).encode()
+
+
+def normalize_base_url(base_url: str) -> str:
+    """`http://host:port` from what a user may pass (a trailing `/` or `/v1`)."""
+    url = base_url.rstrip("/")
+    return url.removesuffix("/v1")
+
+
+class RemoteBackend:
+    """The `Backend` of an `art serve` process: everything `LocalBackend` does, over HTTP.
+
+    `api_key` defaults to `$ART_API_KEY`; `timeout` (seconds, None for none) bounds each wait
+    for the server, including registration, which can take minutes for a big model.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        connect_timeout: float = 30.0,
+    ) -> None:
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds (or None for no limit), got {timeout}")
+        self.base_url = normalize_base_url(base_url)
+        self.api_key = api_key if api_key is not None else os.environ.get("ART_API_KEY")
+        connect = connect_timeout if timeout is None else min(connect_timeout, timeout)
+        self._timeout = httpx.Timeout(timeout, connect=connect)
+        self._client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        return f"RemoteBackend({self.base_url!r})"
+
+    def _http(self) -> httpx.AsyncClient:
+        """The HTTP client of the running event loop (a new one if the loop changed)."""
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self._timeout)
+            self._loop = loop
+        return self._client
+
+    def _unavailable(self, exc: httpx.TransportError, doing: str) -> RemoteUnavailableError:
+        return RemoteUnavailableError(
+            0,
+            f"could not {doing} at {self.base_url}: {type(exc).__name__}: {exc or 'no details'} "
+            "(is `art serve` running there, and is the URL right?)",
+        )
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = await self._http().request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc, f"{method} {path}") from exc
+        if response.status_code >= 400:
+            raise _error_of(response)
+        return response.json()
+
+    @staticmethod
+    def _path(model: TrainableModel, tail: str = "") -> str:
+        return f"{PREFIX}/{quote(model.name, safe='')}{tail}"
+
+    async def register(self, model: TrainableModel) -> InferenceInfo:
+        spec = {
+            "project": model.project,
+            "name": model.name,
+            "base_model": model.base_model,
+            "lora_rank": model.lora_rank,
+            "lora_alpha": model.lora_alpha,
+            "trust_remote_code": model.trust_remote_code,
+        }
+        data = await self._call("POST", PREFIX, json=spec)
+        return InferenceInfo(
+            base_url=data["base_url"], api_key=self.api_key or NO_KEY, model_name=data["model_name"]
+        )
+
+    async def train(
+        self,
+        model: TrainableModel,
+        groups: Sequence[TrajectoryGroup],
+        config: TrainConfig,
+        *,
+        on_progress: ProgressCallback | None = None,
+    ) -> TrainResult:
+        """One step on the server; `on_progress` is called for each progress line it streams.
+
+        If `on_progress` raises, the stream is dropped but the server still finishes the step.
+        """
+        body = encode_train_request(groups, config)
+        headers = {"Content-Type": "application/json"}
+        try:
+            async with self._http().stream(
+                "POST", self._path(model, "/train"), content=body, headers=headers
+            ) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise _error_of(response)
+                async for line in response.aiter_lines():
+                    result = _handle_line(line, on_progress)
+                    if result is not None:
+                        return result
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc, "finish the training stream") from exc
+        raise RemoteError(
+            502,
+            "the server closed the training stream without a result or an error; the step may "
+            "still have completed there: check `await model.get_step()`",
+        )
+
+    async def get_step(self, model: TrainableModel) -> int:
+        return int((await self._call("GET", self._path(model, "/step")))["step"])
+
+    async def list_checkpoints(self, model: TrainableModel) -> list[int]:
+        return [int(s) for s in (await self._call("GET", self._path(model, "/checkpoints")))["steps"]]
+
+    async def delete_checkpoints(self, model: TrainableModel, keep: Iterable[int]) -> list[int]:
+        params = {"keep": [int(step) for step in keep]}
+        data = await self._call("DELETE", self._path(model, "/checkpoints"), params=params)
+        return [int(s) for s in data["deleted"]]
+
+    async def history(self, model: TrainableModel) -> list[dict[str, float]]:
+        return list((await self._call("GET", self._path(model, "/history")))["history"])
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and self._loop is asyncio.get_running_loop():
+            await client.aclose()
+        self._loop = None
+
+    async def __aenter__(self) -> RemoteBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _handle_line(line: str, on_progress: ProgressCallback | None) -> TrainResult | None:
+    """Act on one NDJSON line of a train stream: the result, None to go on, or raise the error."""
+    if not line.strip():
+        return None
+    event = json.loads(line)
+    if "result" in event:
+        return TrainResult.model_validate(event["result"])
+    if "error" in event:
+        raise remote_error(int(event.get("status", 500)), event)
+    if "phase" in event and on_progress is not None:
+        on_progress(str(event["phase"]), dict(event.get("metrics") or {}))
+    return None  # heartbeats and unknown lines
+
+
+__all__ = [
+    "RemoteAuthenticationError",
+    "RemoteBackend",
+    "RemoteBadRequestError",
+    "RemoteError",
+    "RemoteNotFoundError",
+    "RemoteUnavailableError",
+    "encode_train_request",
+    "normalize_base_url",
+    "remote_error",
+]
