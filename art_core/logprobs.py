@@ -96,7 +96,8 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
                 directions.append(direction * valid[:, None].to(direction.dtype))
             del logp_all, probs
         if need_grad:
-            ctx.save_for_backward(torch.cat(directions))
+            empty = hidden.new_zeros(0, hidden.shape[-1], dtype=torch.float32)
+            ctx.save_for_backward(torch.cat(directions) if directions else empty)
         ctx.hidden_dtype = hidden.dtype  # type: ignore[attr-defined]
         logprobs = torch.cat(picked) if picked else hidden.new_zeros(0, dtype=torch.float32)
         entropy = torch.cat(entropies) if entropies else logprobs.new_zeros(())
@@ -148,7 +149,7 @@ def token_logprobs(
     flat_hidden = hidden.reshape(batch * length, hidden.shape[-1])
     flat_targets = targets.reshape(-1).to(torch.long)
     frozen = _frozen_linear(lm_head)
-    if frozen is not None and batch * length > 0:
+    if frozen is not None:
         weight, bias = frozen
         need_grad = torch.is_grad_enabled() and flat_hidden.requires_grad
         flat_logprobs, flat_entropy = _FrozenHeadLogprobs.apply(

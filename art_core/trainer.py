@@ -39,7 +39,7 @@ from art_core.batch import BatchTotals, PreparedBatch, TrainingExample, collate,
 from art_core.config import TrainConfig
 from art_core.logprobs import token_logprobs
 from art_core.loss import LossBatch, compute_loss
-from art_core.training_forward import fused_lora, has_dropout, hidden_states_at, shared_prefix_length
+from art_core.training_forward import has_dropout, hidden_states_at, shared_prefix_length, training_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class Trainer:
     def _logprobs(self, batch: dict[str, Tensor], positions: Tensor) -> tuple[Tensor, int]:
         """[B, T] float32 log-probs of the targets at `positions` (0 elsewhere) and the shared prefix."""
         ids, attention = batch["input_ids"], batch["attention_mask"]
-        with fused_lora(self.model, self.adapter_name):
+        with training_kernels(self.model, self.adapter_name):
             hidden, prefix = hidden_states_at(
                 self._decoder, ids, attention, positions, self.shared_prefix_length(ids, attention)
             )

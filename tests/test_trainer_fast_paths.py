@@ -13,7 +13,7 @@ from art_core.config import TrainConfig
 from art_core.logprobs import IGNORE_INDEX, token_logprobs
 from art_core.lora import LoRAConfig, attach_lora
 from art_core.loss import LossConfig
-from art_core.models import LoadedModel
+from art_core.models import LoadedModel, load_model
 from art_core.trainer import Trainer
 from art_core.training_forward import fused_lora
 from art_core.types import Trajectory, TrajectoryGroup, Turn
@@ -195,3 +195,23 @@ def test_fused_lora_matches_peft_and_restores_the_layers(tiny_model: LoadedModel
     with torch.no_grad():
         expected_base = tiny_model.model(input_ids=ids).logits
     torch.testing.assert_close(base, expected_base)
+
+
+def test_bf16_base_trains_with_fp32_lora_close_to_fp32(tiny_model: LoadedModel) -> None:
+    low = load_model("tiny-random", dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    model = attach_lora(low.model, LoRAConfig(r=4, alpha=8))
+    trainer = Trainer(model, pad_id=PAD, config=TrainConfig(learning_rate=1e-3))
+    assert all(p.dtype == torch.float32 for p in trainer.params)  # peft keeps the adapter in fp32
+    reference = make_trainer(tiny_model, True, TrainConfig())
+    with torch.no_grad():  # the same LoRA weights as the fp32 reference
+        for ours, theirs in zip(trainer.params, reference.params, strict=True):
+            ours.copy_(theirs)
+    examples = one_group_batch(seed=6).examples
+    mask = collate(examples, PAD)["mask"] > 0
+    low_logprobs = trainer.compute_logprobs(examples)
+    torch.testing.assert_close(
+        low_logprobs[mask], reference.compute_logprobs(examples)[mask], rtol=0, atol=0.1
+    )
+    metrics = trainer.train_step(PreparedBatch(examples=examples, metrics={}))
+    assert metrics["trained"] == 1.0 and metrics["shared_prefix_tokens"] == 9
