@@ -6,7 +6,9 @@ under whatever grad/eval mode the caller set (the engine uses `torch.inference_m
 mode). With a peft model it passes `adapter_names` (one per row, "__base__" for the base model)
 to every forward, so rows with different LoRA adapters share the batch. Rows with the same
 prompt and adapter (the n completions of a request, a GRPO group) are prefilled once and their
-cache rows copied.
+cache rows copied. The cache's full-attention layers write each step's keys and values into
+reserved room (`GrowingLayer`) instead of concatenating the whole cache anew every step (28% of
+a decode step's time with 400-token prompts, SmolLM2 bf16, B=32).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from art_core.sampling import SamplingParams, find_stop, sample_next, stop_window_tokens
 
@@ -94,6 +97,68 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
     return str(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
 
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` that keeps its keys and values in a buffer with room to grow.
+
+    `keys`/`values` are views of the first `seq_len` positions of the buffers; `update` writes
+    the new positions in place and reallocates (copying once) only when the room runs out,
+    growing by up to `room` positions (at least 64, at most the current length).
+    """
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = max(1, room)
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        if not self._owns_views(key_states) or length + new > self._keys.shape[-2]:  # type: ignore[union-attr]
+            self._reserve(length + new + min(self.room, max(64, length + new)), key_states, value_states)
+        assert self._keys is not None and self._values is not None
+        self._keys[..., length : length + new, :] = key_states
+        self._values[..., length : length + new, :] = value_states
+        self.keys, self.values = self._keys[..., : length + new, :], self._values[..., : length + new, :]
+        return self.keys, self.values
+
+    def _owns_views(self, key_states: torch.Tensor) -> bool:
+        """Whether `keys` is still a view of our buffer (crop, select and repeat may have replaced it)."""
+        buffer, keys = self._keys, self.keys
+        if buffer is None or buffer.shape[0] != key_states.shape[0]:
+            return False
+        return self.get_seq_length() == 0 or (keys is not None and keys.data_ptr() == buffer.data_ptr())
+
+    def _reserve(self, capacity: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        length = self.get_seq_length()
+        batch, heads, _, _ = key_states.shape
+        keys = key_states.new_empty((batch, heads, capacity, key_states.shape[-1]))
+        values = value_states.new_empty((batch, heads, capacity, value_states.shape[-1]))
+        if length and self.keys is not None and self.values is not None:
+            keys[..., :length, :] = self.keys
+            values[..., :length, :] = self.values
+        self._keys, self._values = keys, values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows `indices` (repeats allowed), room included."""
+        length = self.get_seq_length()
+        if self._keys is None or self._values is None or length == 0:
+            super().batch_select_indices(indices)
+            return
+        self._keys, self._values = self._keys[indices], self._values[indices]
+        self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
+
+
+def growing_cache(config: Any, room: int) -> DynamicCache:
+    """A `DynamicCache` for `config` whose full-attention layers are `GrowingLayer`s with `room`."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer(room) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 def cache_kwarg(model: Any) -> str:
     """The forward argument that takes the KV cache: `cache` (transformers >= 5.24) or `past_key_values`."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -121,7 +186,7 @@ class DecodeBatch:
         self.temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
         self.top_ps = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
         self.adapter_names = [r.adapter or BASE_ADAPTER for r in rows]
-        self.cache = DynamicCache(config=model.config)
+        self.cache = growing_cache(model.config, room=max(r.max_new for r in rows))
         self.cache_kwarg = cache_kwarg(model)
 
     def forward(

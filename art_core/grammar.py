@@ -107,7 +107,9 @@ def tool_call_grammar(tools: list[dict[str, Any]], tool_choice: Any) -> Grammar:
             raise GrammarError(f"tool_choice names {name!r}, which is not among the tools given")
         description = f"tool_choice {name!r}"
     else:
-        raise GrammarError(f"unsupported tool_choice {tool_choice!r}: use 'auto', 'none', 'required' or a function")
+        raise GrammarError(
+            f"unsupported tool_choice {tool_choice!r}: use 'auto', 'none', 'required' or a function"
+        )
     schemas = [_call_schema(t) for t in chosen]
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     lark = (
@@ -126,7 +128,9 @@ def _validated(grammar: Grammar) -> Grammar:
 
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar.source)
     if is_error:
-        raise GrammarError(f"cannot compile {grammar.description}: {messages[0] if messages else 'unknown error'}")
+        raise GrammarError(
+            f"cannot compile {grammar.description}: {messages[0] if messages else 'unknown error'}"
+        )
     return grammar
 
 
@@ -158,7 +162,9 @@ class RowConstraint:
 
     def consume(self, token_id: int) -> None:
         if not self._matcher.consume_token(token_id):
-            raise GrammarError(f"token {token_id} violates {self.grammar.description}: {self._matcher.get_error()}")
+            raise GrammarError(
+                f"token {token_id} violates {self.grammar.description}: {self._matcher.get_error()}"
+            )
 
     @property
     def finished(self) -> bool:

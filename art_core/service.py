@@ -99,7 +99,7 @@ class ModelService:
         storage.write_json("model.json", spec.model_dump())
         trainer = Trainer(peft_model, pad_id=_pad_id(loaded), adapter_name=LIVE_ADAPTER, config=TrainConfig())
         step = storage.latest_step()
-        if step > 0:
+        if storage.steps():
             trainer.load_state(storage.checkpoint_dir(step))
             logger.info("resumed %s from step %d", spec.name, step)
         else:

@@ -65,8 +65,9 @@ class VLLMEngineConfig:
     """How the vLLM engine is built."""
 
     dtype: str = "auto"
-    """Model dtype: "auto" (the checkpoint's), "bfloat16", "float16" or "float32" (logprob parity
-    with the fp32 trainer, ~2e-5; bf16 is ~0.2 nats off at worst and faster)."""
+    """Model dtype: "auto" (vLLM's choice: a float32 checkpoint runs in bf16 on GPUs), "bfloat16",
+    "float16" or "float32" (logprob parity with the fp32 trainer, ~2e-5, but on CPU only when LoRA is
+    on: vLLM's GPU LoRA kernels take fp16/bf16). bf16 is ~0.2 nats off at worst, ~0.02 on average."""
     max_model_len: int | None = None
     """Prompt + completion token limit; None = the model config's."""
     enable_lora: bool = True
@@ -214,7 +215,13 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs = self.config.async_engine_args(self.model_path)
-        fix_lora = self.config.enable_lora and current_platform.is_cpu()
+        cpu = current_platform.is_cpu()
+        if self.config.enable_lora and not cpu and kwargs["dtype"] in ("float32", "float"):
+            raise ValueError(
+                "vLLM's GPU LoRA kernels take float16/bfloat16 only: use VLLMEngineConfig(dtype='auto' or "
+                "'bfloat16') (auto serves a float32 checkpoint in bf16), or enable_lora=False"
+            )
+        fix_lora = self.config.enable_lora and cpu
         if fix_lora:
             kwargs.setdefault("worker_extension_cls", f"{__name__}.{CPULoRAFix.__name__}")
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))

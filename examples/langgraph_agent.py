@@ -17,7 +17,12 @@ about 30% of the time at temperature 1, which is what GRPO needs to learn from.
 `--json` makes the last line `{"first_reward", "last_reward", "steps", "seconds"}` like
 `art demo --json` (means of the first and last min(5, steps) steps).
 
-Measured (2 shared CPU cores, SmolLM2-135M-Instruct, defaults): see the lead's report.
+Measured with the defaults (SmolLM2-135M-Instruct, 12 steps of 2 fruits x 8 rollouts, LoRA r16,
+lr 5e-4), on 2 CPU cores shared with other jobs (load average 5-6): reward per step 0.22, 0.62,
+0.81, 0.69, 1.00, 0.81, 0.94, 1.00, 0.94, 0.88, 0.88, 1.00; `--json` gave first_reward 0.67,
+last_reward 0.94, 607 s (5.1 min of CPU time). An earlier 15-step run: 0.25 -> 0.94 by step 7.
+Most trajectories train as one exact-token sequence: the call turn's prompt + completion is a
+token prefix of the answer turn's prompt (17 sequences for 16 trajectories at step 1).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ Which chat models carry the header:
   node on every call cannot be found that way: build it with `chat_model(model)`.
 - Trade-off: patching adds an httpx request hook to the model's httpx client, not to httpx. LangChain
   shares one default httpx client between ChatOpenAI instances with the same base URL and timeout,
-  so those are tagged as well (harmless: only requests inside a rollout get the header).
+  so those are tagged as well (harmless: only requests to the rollout's own server get the header).
 
 Bad wiring is reported, never an empty trajectory. While a rollout runs, a LangChain callback
 (langchain_core's configure hook: a contextvar, so it sees only this rollout's runs) counts the
@@ -41,8 +41,11 @@ called outside any rollout logs a warning once per server.
 
 Streaming: graph streaming works (`stream`/`astream` in any stream mode, `astream_events`). Our
 server does not stream tokens yet, so `chat_model()` and patched models set
-`disable_streaming=True`: LangChain makes one plain call and emits the message as a single chunk.
-A `ChatOpenAI(streaming=True)` gets a 400 from the server.
+`disable_streaming=True`: LangChain makes one plain call, `stream_mode="messages"` yields the
+whole message as one chunk and `astream_events` has no `on_chat_model_stream` events, only
+start/end. A `ChatOpenAI(streaming=True)` gets a 400 from the server. Also unsupported by the
+server for now: `tool_choice="required"` or a named tool (so `with_structured_output` with
+function calling) and `response_format` JSON schemas; `use_responses_api=True` (no `/v1/responses`).
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ def _tag(request: httpx.Request, warn_outside_scope: bool) -> None:
     rollout_ = active_rollout()
     if rollout_ is not None:
         # A rollout records on its own server only; elsewhere the id would leave orphaned records.
-        if ROLLOUT_ID_HEADER not in request.headers and str(request.url).startswith(rollout_.server_url + "/"):
+        on_its_server = str(request.url).startswith(rollout_.server_url + "/")
+        if on_its_server and ROLLOUT_ID_HEADER not in request.headers:
             request.headers[ROLLOUT_ID_HEADER] = rollout_.id
         return
     server = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
@@ -324,6 +328,7 @@ class _Watch:
                 "LangGraph: no chat-model call ran inside this rollout either; was the graph invoked inside "
                 "it (a thread or task started before the rollout does not see it)?"
             )
+        ours = self.model.inference_base_url
         lines = ["LangGraph: chat-model calls in this rollout:"]
         for (name, base), count in Counter(self.handler.calls).items():
             if _serves(base, self.model):
@@ -333,7 +338,7 @@ class _Watch:
                     "it can reach, not one built inside a node on every call)"
                 )
             else:
-                fix = f"not the trained model's server ({self.model.inference_base_url}): use chat_model(model)"
+                fix = f"not the trained model's server ({ours}): build it with chat_model(model)"
             lines.append(f"  {count} call(s) to {name!r} at {base or 'the default URL'}: {fix}")
         return "\n".join(lines)
 

@@ -54,8 +54,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--groups", type=int, default=None, help="prompts per step")
     p.add_argument("--group-size", type=int, default=None, help="completions per prompt (n)")
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--dtype", default="float32", help="vLLM dtype (float32: exact logprob checks)")
+    p.add_argument(
+        "--lr", type=float, default=5e-4, help="large enough that 3 steps move the LoRA past bf16 noise"
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="vLLM dtype; default auto on GPU (bf16: vLLM's GPU LoRA kernels take no fp32), float32 with --cpu",
+    )
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (faster start, slower decode)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     args = p.parse_args()
@@ -64,6 +70,8 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.groups = min(args.groups, len(PROMPTS))
+    if args.dtype is None:
+        args.dtype = "float32" if args.cpu else "auto"
     return args
 
 
@@ -101,9 +109,10 @@ class Routes:
         return [MODEL_NAME, *(f"{MODEL_NAME}@{s}" for s in self.adapters.loaded_steps())]
 
 
-def reward(turn_tokens: int, max_tokens: int) -> float:
-    """Shorter replies score higher: a reward with variance in every group, so every step trains."""
-    return 1.0 - turn_tokens / max_tokens
+def reward(completion_tokens: int, max_tokens: int, text: str) -> float:
+    """Shorter replies score higher, ties broken by the share of the letter "e": every group has
+    reward variance, so every step trains (a random model never stops, so brevity alone ties)."""
+    return 1.0 - completion_tokens / max_tokens + 0.5 * text.count("e") / max(1, len(text))
 
 
 async def rollouts(base_url: str, args: argparse.Namespace) -> tuple[list[Any], int, float]:
@@ -126,7 +135,8 @@ async def rollouts(base_url: str, args: argparse.Namespace) -> tuple[list[Any], 
         trajectories = []
         for choice in response.choices:
             trajectory = Trajectory(messages_and_choices=[*messages, choice])
-            trajectory.reward = reward(len(trajectory.turns[0].completion_ids), args.max_tokens)
+            tokens = len(trajectory.turns[0].completion_ids)
+            trajectory.reward = reward(tokens, args.max_tokens, choice.message.content or "")
             trajectories.append(trajectory)
         return TrajectoryGroup(trajectories)
 
@@ -311,7 +321,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"[gpu_check] served `agent` vs trained LoRA: {final['trained']:.2e}, vs base: {final['base']:.2e}"
         )
-        if not final["trained"] <= final["base"]:
+        if not final["trained"] < final["base"]:
             failures.append(f"vLLM serves weights closer to the base model than to the trained LoRA: {final}")
     finally:
         server.stop()

@@ -97,6 +97,24 @@ def test_nucleus_candidates_match_a_full_sort(scale: float) -> None:
     assert sample_nucleus(probs, top_ps, uniforms).tolist() == naive
 
 
+def test_growing_cache_layer_equals_concatenation() -> None:
+    from transformers.cache_utils import DynamicLayer
+
+    from art_core.decoding import GrowingLayer
+
+    torch.manual_seed(0)
+    grow, plain = GrowingLayer(room=2), DynamicLayer()  # room 2: many reallocations
+    for step, width in enumerate([5, 1, 1, 3, 1, 1, 70, 1]):
+        k, v = torch.randn(4, 2, width, 8), torch.randn(4, 2, width, 8)
+        got, want = grow.update(k, v), plain.update(k, v)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        if step in (2, 5):  # drop a row, repeat another (a prefill shared by two rows)
+            keep = torch.tensor([0, 2, 2, 3])
+            grow.batch_select_indices(keep)
+            plain.batch_select_indices(keep)
+    assert grow.get_seq_length() == plain.get_seq_length() == 83
+
+
 def test_sampling_params_validation() -> None:
     for bad in [
         dict(n=0),

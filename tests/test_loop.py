@@ -159,3 +159,12 @@ def test_names_that_would_escape_storage_are_refused():
 def test_non_loopback_backend_requires_an_api_key(tmp_path):
     with pytest.raises(ValueError, match="api_key"):
         LocalBackend(tmp_path, host="0.0.0.0")
+
+
+async def test_registering_again_before_any_step_resumes_step_zero(tmp_path):
+    for _ in range(2):
+        model = TrainableModel(project="loop", name="again", base_model="tiny-random")
+        backend = LocalBackend(tmp_path)
+        await model.register(backend)
+        assert await model.get_step() == 0
+        await backend.close()
