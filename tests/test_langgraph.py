@@ -448,6 +448,9 @@ async def test_smollm2_tool_calls_and_results_are_captured(tmp_path: Path) -> No
     trajectory = one_call[0]
     call, result, answer = trajectory.messages[start:]
     assert call["tool_calls"][0]["function"]["name"] == "get_price"
-    assert result["content"].startswith(("$", "no price")) and not answer.get("tool_calls")
+    # The tool's answer, or LangChain's error message when the model passed wrong arguments:
+    # either way the tool result the agent saw is in the trajectory.
+    assert result["content"].startswith(("$", "no price", "Error invoking tool 'get_price'"))
+    assert not answer.get("tool_calls")
     assert len(trajectory.turns) == 2 and not trajectory.additional_histories  # the call and the answer
     assert all(len(t.completion_ids) == len(t.logprobs) for t in trajectory.turns)
