@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from art_core.grammar import RowConstraint
 from art_core.sampling import SamplingParams, find_stop, sample_next, stop_window_tokens
 
 BASE_ADAPTER = "__base__"
@@ -61,12 +62,16 @@ class RowState:
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    constraint: RowConstraint | None = None
+    """The row's grammar state when its request is constrained (JSON schema, forced tool call)."""
 
     def push(self, token: int, logprob: float, top: list[tuple[int, float]], tokenizer: Any) -> None:
         """Record a sampled token and decide whether the row is finished."""
         self.token_ids.append(token)
         self.logprobs.append(logprob)
         self.top.append(top)
+        if self.constraint is not None and token not in self.stop_ids:
+            self.constraint.consume(token)
         if token in self.stop_ids:
             self.finish_reason = "stop"
         elif self.params.stop and self._tail_has_stop(tokenizer):
@@ -249,8 +254,16 @@ class DecodeBatch:
 
     def step(self, logits: torch.Tensor) -> torch.Tensor:
         """Sample one token per row and record it (with its logprobs) on the unfinished rows."""
-        next_ids = sample_next(logits, self.temps, self.top_ps, [r.generator for r in self.rows])
+        # Log-probs stay the model's own (what the trainer scores); only sampling sees the grammar.
         logp = torch.log_softmax(logits, dim=-1)
+        constrained = [
+            i for i, r in enumerate(self.rows) if r.constraint is not None and r.finish_reason is None
+        ]
+        if constrained:
+            logits = logits.clone()
+            for i in constrained:
+                self.rows[i].constraint.mask_(logits[i])  # type: ignore[union-attr]
+        next_ids = sample_next(logits, self.temps, self.top_ps, [r.generator for r in self.rows])
         chosen = logp.gather(1, next_ids[:, None])[:, 0].tolist()
         k = max(r.params.top_logprobs for r in self.rows)
         top_vals: list[list[float]] = []

@@ -50,6 +50,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from art_core.decoding import BASE_ADAPTER, Completion, DecodeBatch, RowState
+from art_core.grammar import Grammar, RowConstraint
 from art_core.sampling import SamplingParams, row_seed
 from art_core.serving_weights import UnsupportedAdapterError, peft_model_of, serving_copy
 
@@ -86,6 +87,8 @@ class GenerationRequest:
     """How to sample."""
     adapter: str | None = None
     """The peft adapter name to sample with; None = the base model."""
+    grammar: Grammar | None = None
+    """Constrained decoding (JSON schema, forced tool call); None = free text."""
 
 
 @dataclass(frozen=True)
@@ -306,8 +309,18 @@ class TorchEngine:
         if params.seed is not None:
             generator = torch.Generator().manual_seed(row_seed(params.seed, index))
         stop_ids = frozenset(params.stop_token_ids) | self._eos_ids
+        grammar = job.request.grammar
+        constraint = None if grammar is None else RowConstraint(grammar, self._tokenizer, self._vocab_size)
         return RowState(
-            job, index, job.request.prompt_ids, params, job.request.adapter, max_new, generator, stop_ids
+            job,
+            index,
+            job.request.prompt_ids,
+            params,
+            job.request.adapter,
+            max_new,
+            generator,
+            stop_ids,
+            constraint=constraint,
         )
 
     # -- adapters ----------------------------------------------------------------------------

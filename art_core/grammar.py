@@ -89,11 +89,15 @@ def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def tool_call_grammar(tools: list[dict[str, Any]], tool_choice: Any) -> Grammar:
+def tool_call_grammar(
+    tools: list[dict[str, Any]], tool_choice: Any, *, tag_ids: tuple[int, int] | None = None
+) -> Grammar:
     """A grammar that forces one Hermes tool call: `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`.
 
     `tool_choice="required"` allows any of `tools`; `{"type": "function", "function": {"name": n}}`
-    allows only `n`. Arguments must satisfy the tool's parameter schema.
+    allows only `n`. Arguments must satisfy the tool's parameter schema. `tag_ids` are the token
+    ids of `<tool_call>` and `</tool_call>` when the tokenizer has them as single added tokens
+    (Qwen-style); then the grammar names those tokens instead of spelling the text.
     """
     if not tools:
         raise GrammarError("tool_choice requires a non-empty `tools` list")
@@ -112,10 +116,11 @@ def tool_call_grammar(tools: list[dict[str, Any]], tool_choice: Any) -> Grammar:
         )
     schemas = [_call_schema(t) for t in chosen]
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    lark = (
-        f"start: {json.dumps(TOOL_CALL_OPEN)} body {json.dumps(TOOL_CALL_CLOSE)}\n"
-        f"body: %json{json.dumps(body)}\n"
-    )
+    if tag_ids is None:
+        start = f"start: {json.dumps(TOOL_CALL_OPEN)} body {json.dumps(TOOL_CALL_CLOSE)}\n"
+    else:
+        start = f'start: <[{tag_ids[0]}]> "\\n" body "\\n" <[{tag_ids[1]}]>\n'
+    lark = start + f"body: %json{json.dumps(body)}\n"
     from llguidance import LLMatcher
 
     # The JSON inside a lark grammar takes its options from "x-guidance".
@@ -170,3 +175,11 @@ class RowConstraint:
     def finished(self) -> bool:
         """True once the grammar is complete and stopped (only end-of-turn may follow)."""
         return bool(self._matcher.is_stopped())
+
+
+def tool_tag_ids(tokenizer: Any) -> tuple[int, int] | None:
+    """Ids of `<tool_call>`/`</tool_call>` when the tokenizer has them as added tokens, else None."""
+    added = tokenizer.get_added_vocab()
+    if "<tool_call>" in added and "</tool_call>" in added:
+        return int(added["<tool_call>"]), int(added["</tool_call>"])
+    return None

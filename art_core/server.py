@@ -10,8 +10,9 @@ Rollout capture (see `art_core.capture`): a chat completion sent with an `X-Roll
 to the rollout-scoped base URL `/rollouts/{id}/v1`, is recorded under that id; `GET
 /rollouts/{id}/records` reads the records and `DELETE /rollouts/{id}` returns and forgets them.
 
-Left out for now: streaming, `tool_choice` "required" or a named function, and
-`response_format` other than text (all answered with a 400 that says so).
+`response_format` (`json_object`, `json_schema`) and `tool_choice` ("required" or a named
+function) are enforced by constrained decoding (`art_core.grammar`). Left out for now: streaming
+(answered with a 400 that says so).
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ from art_core.engine import (
     GenerationRequest,
     InvalidRequestError,
     UnknownAdapterError,
+)
+from art_core.grammar import (
+    Grammar,
+    GrammarError,
+    json_object_grammar,
+    json_schema_grammar,
+    tool_call_grammar,
+    tool_tag_ids,
 )
 from art_core.sampling import SamplingParams
 
@@ -168,20 +177,33 @@ def check_supported(req: ChatCompletionRequest) -> None:
     """Reject (400) what this server does not implement yet."""
     if req.stream:
         raise APIError(400, "streaming not supported yet; send stream=false", param="stream")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise APIError(
-            400,
-            "tool_choice 'required' or a named function is not supported yet; use 'auto' or 'none'",
-            param="tool_choice",
-        )
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise APIError(
-            400,
-            f"response_format {req.response_format.get('type')!r} is not supported yet; only 'text'",
-            param="response_format",
-        )
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+
+
+def request_grammar(req: ChatCompletionRequest, tokenizer: Any) -> Grammar | None:
+    """The decoding constraint a request asks for: a forced tool call, a JSON schema, or none."""
+    try:
+        if req.tool_choice not in (None, "auto", "none"):
+            return tool_call_grammar(req.tools or [], req.tool_choice, tag_ids=tool_tag_ids(tokenizer))
+        kind = (req.response_format or {}).get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return json_object_grammar()
+        if kind == "json_schema":
+            spec = (req.response_format or {}).get("json_schema") or {}
+            if not isinstance(spec.get("schema"), dict):
+                raise GrammarError(
+                    "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}"
+                )
+            return json_schema_grammar(spec["schema"], str(spec.get("name", "response")))
+        raise GrammarError(
+            f"unknown response_format type {kind!r}: use 'text', 'json_object' or 'json_schema'"
+        )
+    except GrammarError as exc:
+        param = "tool_choice" if req.tool_choice not in (None, "auto", "none") else "response_format"
+        raise APIError(400, str(exc), param=param) from exc
 
 
 def request_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -347,6 +369,7 @@ async def chat_completion(router: ModelRouter, req: ChatCompletionRequest) -> di
     """Answer one chat completion request (as a JSON-ready dict)."""
     check_supported(req)
     served = _resolve(router, req.model)
+    grammar = request_grammar(req, served.tokenizer)
     prompt_ids = _render(served, req)
     if len(prompt_ids) > served.max_context - 1:
         raise APIError(
@@ -357,7 +380,7 @@ async def chat_completion(router: ModelRouter, req: ChatCompletionRequest) -> di
             code="context_length_exceeded",
         )
     params = sampling_params(req, served.tokenizer, len(prompt_ids), served.max_context)
-    completions = await _generate(served, GenerationRequest(prompt_ids, params, served.adapter))
+    completions = await _generate(served, GenerationRequest(prompt_ids, params, served.adapter, grammar))
     parse_tools = bool(req.tools) and req.tool_choice != "none"
     choices = [
         build_choice(

@@ -121,8 +121,10 @@ def test_errors_in_openai_shape(client: openai.OpenAI, server: tuple[ServerHandl
         {"top_p": 0},
         {"messages": []},
         {"stream": True},
-        {"tool_choice": "required", "tools": [WEATHER_TOOL]},
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+        {"tool_choice": "required"},  # no tools to choose from
+        {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER_TOOL]},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},  # no schema
+        {"response_format": {"type": "yaml"}},
         {"top_logprobs": 2},
         {"messages": [{"role": "user", "content": "word " * 300}]},
     ]
@@ -243,3 +245,59 @@ def test_smollm2_tool_call_round_trip(smollm2: LoadedModel) -> None:
 
 def response_messages() -> list[dict[str, Any]]:
     return [{"role": "user", "content": "What is the weather in Paris? Use the get_weather tool."}]
+
+
+SCORE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "label": {"enum": ["good", "bad"]},
+    },
+    "required": ["score", "label"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_json_schema_response_format_is_enforced_even_on_a_random_model(
+    client: openai.OpenAI, seed: int
+) -> None:
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "score", "schema": SCORE_SCHEMA, "strict": True},
+    }
+    reply = chat(client, response_format=response_format, max_tokens=200, seed=seed, temperature=1.0)
+    answer = json.loads(reply.choices[0].message.content)
+    assert (
+        set(answer) == {"score", "label"} and 0 <= answer["score"] <= 1 and answer["label"] in {"good", "bad"}
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    # The token record is still the model's own: the trainer scores exactly these ids.
+    assert len(extra(reply.choices[0])["token_ids"]) == len(extra(reply.choices[0])["token_logprobs"])
+
+
+@pytest.mark.slow
+def test_required_tool_choice_returns_a_well_formed_tool_call(smollm2: LoadedModel) -> None:
+    """With tool_choice "required" even a 135M model that usually answers in prose must call the tool."""
+    engine = TorchEngine(smollm2.model, smollm2.tokenizer)
+    router = StaticRouter({"smol": ServedModel(engine, smollm2.tokenizer, None, smollm2.max_context)})
+    handle = serve_in_thread(create_app(router))
+    try:
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="unused", max_retries=0)
+        for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            reply = client.chat.completions.create(
+                model="smol",
+                messages=[{"role": "user", "content": "Is it warm in Paris today?"}],
+                tools=[WEATHER_TOOL],
+                tool_choice=tool_choice,  # type: ignore[arg-type]
+                max_tokens=60,
+                temperature=0.0,
+            )
+            choice = reply.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message
+            call = choice.message.tool_calls[0]
+            assert call.function.name == "get_weather"
+            assert isinstance(json.loads(call.function.arguments)["city"], str)
+    finally:
+        handle.stop()
+        engine.close()
