@@ -82,11 +82,17 @@ class JudgeConfig:
     """Cache validated answers by prompt hash, in memory and (with `cache_dir`) on disk."""
     cache_dir: Path | None = None
     """Folder of the on-disk JSON cache (one file per prompt hash, atomic writes); None = memory only."""
+    explanation_max_chars: int | None = None
+    """Add `maxLength` to the explanation in the answer schema. Small local judges under constrained
+    decoding can repeat themselves inside a string until `max_tokens`; a bound ends it. Leave None for
+    providers whose strict structured outputs reject `maxLength` (OpenAI)."""
     extra_params: Mapping[str, Any] = field(default_factory=dict)
     """Passed through to `litellm.acompletion` or `AsyncOpenAI.chat.completions.create`
     (e.g. {"api_base": url, "api_key": key} for LiteLLM, {"timeout": 60}, {"reasoning_effort": "low"})."""
 
     def __post_init__(self) -> None:
+        if self.explanation_max_chars is not None and self.explanation_max_chars < 1:
+            raise ValueError(f"explanation_max_chars must be >= 1 or None, got {self.explanation_max_chars}")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("JudgeConfig.model must be a non-empty model name, e.g. 'openai/gpt-4.1-mini'")
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):

@@ -138,16 +138,19 @@ def build_judge_messages(
     ]
 
 
-def judge_response_schema(ids: Sequence[str]) -> dict[str, Any]:
+def judge_response_schema(ids: Sequence[str], explanation_max_chars: int | None = None) -> dict[str, Any]:
     """The JSON schema of a judge answer scoring exactly the trajectories `ids`."""
+    explanation: dict[str, Any] = {
+        "type": "string",
+        "description": "One or two sentences on the trajectory's quality.",
+    }
+    if explanation_max_chars is not None:
+        explanation["maxLength"] = explanation_max_chars
     item = {
         "type": "object",
         "properties": {
             "trajectory_id": {"type": "string", "enum": list(ids)},
-            "explanation": {
-                "type": "string",
-                "description": "One or two sentences on the trajectory's quality.",
-            },
+            "explanation": explanation,
             "score": {"type": "number", "minimum": 0, "maximum": 1},
         },
         "required": ["trajectory_id", "explanation", "score"],
@@ -302,7 +305,7 @@ async def judge_message_lists(
     scores, calls = await ask_judge(
         config,
         messages,
-        judge_response_schema(ids),
+        judge_response_schema(ids, config.explanation_max_chars),
         parse=lambda text: parse_scores(text, ids),
         correction=lambda reason: _correction(reason, ids),
     )

@@ -48,6 +48,7 @@ def judge_config(args: argparse.Namespace, model: TrainableModel) -> JudgeConfig
         api_key=model.inference_api_key,
         max_tokens=args.judge_max_tokens,
         cache=False,
+        explanation_max_chars=160,  # a small local judge, constrained to the schema, stops in time
     )
 
 

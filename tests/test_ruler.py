@@ -651,7 +651,9 @@ async def test_real_local_judge_on_our_server(smollm2: Any, caplog: pytest.LogCa
     )
     handle = serve_in_thread(create_app(StaticRouter({"judge": served})))
     try:
-        config = JudgeConfig(model="judge", base_url=handle.url + "/v1", max_tokens=400, cache=False)
+        config = JudgeConfig(
+            model="judge", base_url=handle.url + "/v1", max_tokens=400, cache=False, explanation_max_chars=160
+        )
         with caplog.at_level(logging.INFO, logger="autorl.judge"):
             scores = await ruler(fruit_lists()[:2], config)
     finally:
