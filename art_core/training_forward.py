@@ -94,8 +94,9 @@ def hidden_states_at(
 
 
 def _fusable(layer: nn.Module, adapter_name: str) -> bool:
-    """A plain LoRA Linear: no variant (DoRA...), no dropout, no LoRA bias."""
-    if type(layer) is not LoraLinear or adapter_name not in layer.lora_A:
+    """A plain LoRA Linear (no variant such as DoRA, no dropout, no LoRA bias) whose forward nobody
+    else has replaced."""
+    if type(layer) is not LoraLinear or adapter_name not in layer.lora_A or "forward" in vars(layer):
         return False
     dropout = layer.lora_dropout[adapter_name]
     plain_dropout = isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout) and dropout.p == 0)
