@@ -19,9 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel
-
-from art_core.backends.base import ProgressCallback, TrainResult
+from art_core.backends.base import ModelSpec, ProgressCallback, TrainResult
 from art_core.batch import prepare_batch
 from art_core.checkpoints import ModelStorage, validate_name
 from art_core.config import TrainConfig
@@ -36,17 +34,6 @@ logger = logging.getLogger(__name__)
 
 LIVE_ADAPTER = "live"
 """The peft adapter name of the weights being trained (served as `name`)."""
-
-
-class ModelSpec(BaseModel):
-    """What a client registers: crosses the HTTP boundary, so pydantic."""
-
-    project: str
-    name: str
-    base_model: str
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    trust_remote_code: bool = False
 
 
 @dataclass

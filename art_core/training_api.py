@@ -41,11 +41,11 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
-from art_core.backends.base import TrainResult
+from art_core.backends.base import ModelSpec, TrainResult
 from art_core.config import TrainConfig
 from art_core.models import ModelNotFoundError
 from art_core.server import APIError, UnknownModelError, create_app
-from art_core.service import ModelService, ModelSpec
+from art_core.service import ModelService
 from art_core.types import TrajectoryGroup
 
 logger = logging.getLogger(__name__)

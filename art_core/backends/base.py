@@ -14,6 +14,28 @@ if TYPE_CHECKING:
     from art_core.model import TrainableModel
 
 
+class ModelSpec(BaseModel):
+    """What a client registers: crosses the HTTP boundary, so pydantic."""
+
+    project: str
+    name: str
+    base_model: str
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    trust_remote_code: bool = False
+
+    @classmethod
+    def from_model(cls, model: TrainableModel) -> ModelSpec:
+        return cls(
+            project=model.project,
+            name=model.name,
+            base_model=model.base_model,
+            lora_rank=model.lora_rank,
+            lora_alpha=model.lora_alpha,
+            trust_remote_code=model.trust_remote_code,
+        )
+
+
 class InferenceInfo(BaseModel):
     """Where a registered model is served."""
 

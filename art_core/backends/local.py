@@ -8,12 +8,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from art_core.backends.base import InferenceInfo, ProgressCallback, TrainResult
+from art_core.backends.base import InferenceInfo, ModelSpec, ProgressCallback, TrainResult
 from art_core.capture import RolloutRecorder
 from art_core.config import TrainConfig
 from art_core.engine import EngineConfig
 from art_core.server import ServerHandle, create_app, serve_in_thread
-from art_core.service import ModelService, ModelSpec
+from art_core.service import ModelService
 from art_core.types import TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -62,15 +62,7 @@ class LocalBackend:
         return self._ensure_server().url + "/v1"
 
     async def register(self, model: TrainableModel) -> InferenceInfo:
-        spec = ModelSpec(
-            project=model.project,
-            name=model.name,
-            base_model=model.base_model,
-            lora_rank=model.lora_rank,
-            lora_alpha=model.lora_alpha,
-            trust_remote_code=model.trust_remote_code,
-        )
-        await asyncio.to_thread(self.service.register, spec)
+        await asyncio.to_thread(self.service.register, ModelSpec.from_model(model))
         server = self._ensure_server()
         return InferenceInfo(base_url=server.url + "/v1", api_key=self.api_key, model_name=model.name)
 

@@ -28,7 +28,7 @@ from urllib.parse import quote
 import httpx
 from pydantic_core import to_jsonable_python
 
-from art_core.backends.base import InferenceInfo, ProgressCallback, TrainResult
+from art_core.backends.base import InferenceInfo, ModelSpec, ProgressCallback, TrainResult
 from art_core.config import TrainConfig
 from art_core.types import TrajectoryGroup
 
@@ -176,15 +176,7 @@ class RemoteBackend:
         return f"{PREFIX}/{quote(model.name, safe='')}{tail}"
 
     async def register(self, model: TrainableModel) -> InferenceInfo:
-        spec = {
-            "project": model.project,
-            "name": model.name,
-            "base_model": model.base_model,
-            "lora_rank": model.lora_rank,
-            "lora_alpha": model.lora_alpha,
-            "trust_remote_code": model.trust_remote_code,
-        }
-        data = await self._call("POST", PREFIX, json=spec)
+        data = await self._call("POST", PREFIX, json=ModelSpec.from_model(model).model_dump())
         return InferenceInfo(
             base_url=data["base_url"], api_key=self.api_key or NO_KEY, model_name=data["model_name"]
         )
