@@ -123,7 +123,7 @@ class MergedWeights:
 
     `model` is a transformers model or a peft `PeftModel` around one. The copy is built at once
     (a skeleton of the same class, no weight initialisation, then every tensor copied): about
-    0.3 s for SmolLM2-135M. It never changes the source model.
+    0.2 s for SmolLM2-135M; a full re-merge takes ~0.15 s. It never changes the source model.
     """
 
     def __init__(self, model: nn.Module, adapter: str | None, dtype: torch.dtype) -> None:
