@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from art_core.loss import LossConfig
+from art_core.precision import PRECISIONS, MatmulPrecision
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,19 @@ class TrainConfig:
     """Padded tokens per forward/backward pass; gradients are accumulated across micro-batches."""
     logprob_chunk_size: int = 512
     """Positions per chunk when computing log-probs, so full-vocabulary logits never exist at once."""
+    matmul_precision: MatmulPrecision = "auto"
+    """How float32 matmuls are computed while training (weights and optimizer stay float32):
+    "auto" is bf16 inputs with float32 accumulation on CPUs with native bf16 (AVX512-BF16/AMX),
+    TF32 on CUDA GPUs and exact float32 elsewhere; "ieee" is always exact; see `art_core.precision`."""
 
     def __post_init__(self) -> None:
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"learning_rate must be a positive finite number, got {self.learning_rate}")
         if self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if not all(0 <= beta < 1 for beta in self.adam_betas):
+            raise ValueError(f"adam_betas must both be in [0, 1), got {self.adam_betas}")
         if self.micro_batch_tokens < 1 or self.logprob_chunk_size < 1:
             raise ValueError("micro_batch_tokens and logprob_chunk_size must be >= 1")
+        if self.matmul_precision not in PRECISIONS:
+            raise ValueError(f"matmul_precision must be one of {PRECISIONS}, got {self.matmul_precision!r}")

@@ -39,6 +39,7 @@ from art_core.batch import BatchTotals, PreparedBatch, TrainingExample, collate,
 from art_core.config import TrainConfig
 from art_core.logprobs import token_logprobs
 from art_core.loss import LossBatch, compute_loss
+from art_core.precision import matmul_precision
 from art_core.training_forward import has_dropout, hidden_states_at, shared_prefix_length, training_kernels
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ class Trainer:
             raise ValueError("forward_backward needs at least one example")
         batch = {key: value.to(self.device) for key, value in collate(examples, self.pad_id).items()}
         positions = batch["mask"] > 0
-        with self._training_mode():
+        with self._training_mode(), matmul_precision(self.config.matmul_precision, self.device):
             ref = self._ref_logprobs(batch, positions)
             logprobs, prefix = self._logprobs(batch, positions)
             loss_batch = LossBatch(

@@ -172,7 +172,10 @@ def worker_ours(args: argparse.Namespace, steps: Steps, data: dict[str, Any]) ->
     batch = prepare_batch([group], scale_rewards=True, max_context=loaded.max_context)
     assert [e.advantage for e in batch.examples] == data["advantages"], "advantages differ from the data's"
     model = attach_lora(loaded.model, LoRAConfig(r=LORA_R, alpha=LORA_ALPHA))
-    config = TrainConfig(learning_rate=LEARNING_RATE, loss=LossConfig(name="grpo"))
+    precision = "auto" if args.precision == "mixed" else "ieee"
+    config = TrainConfig(
+        learning_rate=LEARNING_RATE, loss=LossConfig(name="grpo"), matmul_precision=precision
+    )
     trainer = Trainer(model, pad_id=loaded.tokenizer.pad_token_id, config=config)
     named = list(zip(trainer.param_names, trainer.params, strict=True))
     before = _lora_snapshot(named)
@@ -206,7 +209,7 @@ def _trl_trainer(args: argparse.Namespace, max_steps: int, output_dir: str) -> A
     config = GRPOConfig(
         output_dir=output_dir,
         use_cpu=True,
-        bf16=args.dtype == "bfloat16",
+        bf16=args.dtype == "bfloat16" or args.precision == "mixed",  # TRL's default is bf16=True
         per_device_train_batch_size=COMPLETIONS,
         num_generations=COMPLETIONS,
         max_completion_length=COMPLETION_TOKENS,
@@ -324,11 +327,14 @@ def worker_matmul(args: argparse.Namespace, steps: Steps) -> dict[str, Any]:
 
     n = 2048
     result = {}
-    for name in ("float32", "bfloat16"):
-        a = torch.randn(n, n).to(_dtype(name))
-        b = torch.randn(n, n).to(_dtype(name))
-        torch.mm(a, b)
-        best = min(_timed(torch.mm, a, b) for _ in range(5))
+    from art_core.precision import matmul_precision
+
+    for name, precision in (("float32", "ieee"), ("bfloat16", "ieee"), ("mixed", "auto")):
+        dtype = _dtype("bfloat16" if name == "bfloat16" else "float32")
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        with matmul_precision(precision, torch.device("cpu")):  # type: ignore[arg-type]
+            torch.mm(a, b)
+            best = min(_timed(torch.mm, a, b) for _ in range(5))
         result[name] = 2 * n**3 / best / 1e9
     return result
 
@@ -415,6 +421,7 @@ class Worker:
         self.log = open(folder / f"{name}.log", "w+")  # noqa: SIM115
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--out", str(self.out)]
         command += ["--threads", str(args.threads), "--repeats", str(args.repeats), "--dtype", args.dtype]
+        command += ["--precision", args.precision]
         command += ["--data", str(data)] if data is not None else []
         command += ["--trl-full"] if args.trl_full else []
         self.proc = subprocess.Popen(
@@ -461,6 +468,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="base weights' dtype"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=["mixed", "fp32"],
+        default="mixed",
+        help="float32 weights' matmuls: each trainer's default mixed precision (ours: bf16 fast-math "
+        "matmuls where the CPU has native bf16; TRL: bf16=True autocast), or exact fp32 on both sides",
     )
     parser.add_argument("--trl-full", action="store_true", help="also time TRL's step with generation")
     parser.add_argument("--skip-trl", action="store_true", help="only our trainer (for development)")
@@ -512,6 +526,7 @@ def report(
     prompt, n = len(data["prompt_ids"]), len(data["completion_ids"])
     print(
         f"machine: {os.cpu_count()} CPUs, torch threads {args.threads}, base weights {args.dtype}, "
+        f"precision {args.precision}, "
         f"load average {load[0]:.1f} before, {load[1]:.1f} after"
     )
     if max(load) > (os.cpu_count() or 1) - args.threads + 0.5:
@@ -550,13 +565,15 @@ def report(
             f"trl runs about {flops['trl'] / 1e9:.0f} GFLOP per step ({flops['trl'] / flops['executed']:.2f}x ours), "
             f"at {flops['trl'] / 1e9 / trl_s:.0f} GFLOP/s"
         )
-    peak = matmul[args.dtype]
+    kind = "bfloat16" if args.dtype == "bfloat16" else ("mixed" if args.precision == "mixed" else "float32")
+    peak = matmul[kind]
     fraction = flops["executed"] / 1e9 / ours_s / peak
     print(
-        f"matmul: fp32 {matmul['float32']:.0f} GFLOP/s, bf16 {matmul['bfloat16']:.0f} GFLOP/s "
+        f"matmul: fp32 {matmul['float32']:.0f} GFLOP/s, bf16 {matmul['bfloat16']:.0f} GFLOP/s, "
+        f"fp32 at the trainer's auto precision {matmul['mixed']:.0f} GFLOP/s "
         f"(2048^3 mm, best of 5); our step runs {flops['executed'] / 1e9:.0f} GFLOP "
         f"({flops['naive'] / 1e9:.0f} without prefix sharing) at {flops['executed'] / 1e9 / ours_s:.0f} GFLOP/s "
-        f"= {fraction:.1%} of the {args.dtype} mm throughput"
+        f"= {fraction:.1%} of the {kind} mm throughput"
     )
     result = {
         "ours_s": round(ours_s, 3),

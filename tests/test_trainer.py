@@ -28,9 +28,10 @@ def make_trainer(
 ) -> Trainer:
     torch.manual_seed(seed)
     model = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8), adapter_name=adapter_name)
-    return Trainer(
-        model, pad_id=PAD, adapter_name=adapter_name, config=config or TrainConfig(learning_rate=1e-2)
-    )
+    # These tests compare computations with each other at float32 tolerances, so the matmuls are
+    # exact; the bf16 fast-math default ("auto") is tested in test_precision.py.
+    config = dataclasses.replace(config or TrainConfig(learning_rate=1e-2), matmul_precision="ieee")
+    return Trainer(model, pad_id=PAD, adapter_name=adapter_name, config=config)
 
 
 def randomize_lora(trainer: Trainer, seed: int = 1) -> None:

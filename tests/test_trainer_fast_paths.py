@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -106,7 +107,9 @@ def make_trainer(tiny_model: LoadedModel, share: bool, config: TrainConfig) -> T
         for name, param in model.named_parameters():
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    return Trainer(model, pad_id=PAD, config=config, share_prefixes=share)
+    # Exact float32 matmuls: these tests compare paths at float32 tolerances (see test_precision.py).
+    exact = dataclasses.replace(config, matmul_precision="ieee")
+    return Trainer(model, pad_id=PAD, config=exact, share_prefixes=share)
 
 
 def test_shared_prefix_gives_the_same_loss_and_gradients(tiny_model: LoadedModel) -> None:
@@ -201,7 +204,7 @@ def test_bf16_base_trains_with_fp32_lora_close_to_fp32(tiny_model: LoadedModel) 
     low = load_model("tiny-random", dtype=torch.bfloat16)
     torch.manual_seed(0)
     model = attach_lora(low.model, LoRAConfig(r=4, alpha=8))
-    trainer = Trainer(model, pad_id=PAD, config=TrainConfig(learning_rate=1e-3))
+    trainer = Trainer(model, pad_id=PAD, config=TrainConfig(learning_rate=1e-3, matmul_precision="ieee"))
     assert all(p.dtype == torch.float32 for p in trainer.params)  # peft keeps the adapter in fp32
     reference = make_trainer(tiny_model, True, TrainConfig())
     with torch.no_grad():  # the same LoRA weights as the fp32 reference
