@@ -33,11 +33,29 @@ def group_advantages(rewards: Sequence[float], scale: bool = True, eps: float = 
         if not math.isfinite(reward):
             raise ValueError(f"reward at index {index} is {reward}; rewards must be finite numbers")
     values = [float(r) for r in rewards]
-    mean = math.fsum(values) / len(values)
+    mean, std = mean_std(values)
     centred = [r - mean for r in values]
     if all(r == values[0] for r in values):
         return GroupAdvantages(advantages=[0.0] * len(values), zero_variance=True)
     if scale:
-        std = math.sqrt(math.fsum(c * c for c in centred) / len(values))
         centred = [c / (std + eps) for c in centred]
     return GroupAdvantages(advantages=centred, zero_variance=False)
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and population std of finite `values` (at least one).
+
+    Naively `fsum(v) / n` and `sqrt(fsum((v - mean)^2) / n)`; rescaled where those overflow
+    (values near the float limit, e.g. rewards of 1e308), so the result stays finite and right.
+    """
+    n = len(values)
+    try:
+        mean = math.fsum(values) / n
+    except OverflowError:  # fsum's intermediate sum passed the float limit
+        mean = math.fsum(v / n for v in values)
+    centred = [v - mean for v in values]
+    variance = math.fsum(c * c for c in centred) / n
+    if math.isfinite(variance):
+        return mean, math.sqrt(variance)
+    scale = max(abs(c) for c in centred)
+    return mean, scale * math.sqrt(math.fsum((c / scale) ** 2 for c in centred) / n)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from art_core.advantages import group_advantages
+from art_core.advantages import group_advantages, mean_std
 from art_core.logprobs import IGNORE_INDEX
 from art_core.sequences import NoTrainableTokensError, TokenSequence, trajectory_sequences
 from art_core.types import TrajectoryGroup
@@ -123,6 +123,20 @@ def _checked_rewards(groups: Sequence[TrajectoryGroup]) -> list[list[float]]:
     return rewards
 
 
+def _check_token_ids(table: list[list[list[TokenSequence] | None]], vocab_size: int) -> None:
+    """ValueError naming the first trajectory with a token id outside [0, vocab_size)."""
+    for gi, row in enumerate(table):
+        for ti, sequences in enumerate(row):
+            for sequence in sequences or []:
+                ids = sequence.token_ids
+                if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+                    bad = next(t for t in ids if not 0 <= t < vocab_size)
+                    raise ValueError(
+                        f"group {gi}, trajectory {ti}: token id {bad} is outside the model's vocabulary "
+                        f"[0, {vocab_size}); train on the token ids this model's server returned"
+                    )
+
+
 def _sequences_or_none(
     groups: Sequence[TrajectoryGroup],
 ) -> tuple[list[list[list[TokenSequence] | None]], list[tuple[int, int, str]]]:
@@ -145,19 +159,23 @@ def _reward_stats(rewards: list[list[float]]) -> dict[str, float]:
     flat = [r for row in rewards for r in row]
     if not flat:
         return {}
-    mean = math.fsum(flat) / len(flat)
-    std = math.sqrt(math.fsum((r - mean) ** 2 for r in flat) / len(flat))
+    mean, std = mean_std(flat)
     return {"reward": mean, "reward_std": std}
 
 
 def prepare_batch(
-    groups: Sequence[TrajectoryGroup], *, scale_rewards: bool, max_context: int
+    groups: Sequence[TrajectoryGroup], *, scale_rewards: bool, max_context: int, vocab_size: int | None = None
 ) -> PreparedBatch:
-    """Compute advantages and exact-token examples for `groups`; see the module docstring for the rules."""
+    """Compute advantages and exact-token examples for `groups`; see the module docstring for the rules.
+
+    With `vocab_size`, a token id outside [0, vocab_size) is a ValueError (not an index error mid-step).
+    """
     if max_context < 2:
         raise ValueError(f"max_context must be >= 2 tokens, got {max_context}")
     rewards = _checked_rewards(groups)
     table, missing = _sequences_or_none(groups)
+    if vocab_size is not None:
+        _check_token_ids(table, vocab_size)
     n_trajectories = sum(len(row) for row in rewards)
     if n_trajectories > 0 and len(missing) == n_trajectories:
         raise NoTrainableTokensError(

@@ -7,13 +7,17 @@ import asyncio
 import ipaddress
 import json
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, fields
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+if TYPE_CHECKING:
+    from art_core.service import ServingConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL for the LLM agents you already have.")
 console = Console(stderr=True)
@@ -95,6 +99,13 @@ def runs(path: Annotated[Path, typer.Option(help="The storage folder.")] = Path(
         console.print(f"no runs under {path}")
 
 
+class EngineName(StrEnum):
+    """`art serve --engine`."""
+
+    torch = "torch"
+    vllm = "vllm"
+
+
 @app.command()
 def serve(
     host: Annotated[
@@ -111,6 +122,43 @@ def serve(
     ] = None,
     path: Annotated[Path, typer.Option(help="Where checkpoints and history go.")] = Path(".art"),
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    max_queued_rows: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            show_default=False,
+            help="Per model: most completions queued or decoding at once; past it requests get 429 with "
+            "Retry-After. Default: EngineConfig.max_queued_rows (2048).",
+        ),
+    ] = None,
+    max_concurrent_requests: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            show_default=False,
+            help="Most HTTP requests in flight (all routes but /health); past it requests get 503 with "
+            "Retry-After. Default: 4096.",
+        ),
+    ] = None,
+    engine: Annotated[
+        EngineName,
+        typer.Option(
+            help="torch: TorchEngine serves the model being trained (CPU default). vllm: vLLM serves, "
+            "each step's LoRA hot-loaded (NAME: the newest step, NAME@STEP: that step) while the trainer "
+            "trains here (on the GPU if any); "
+            "needs vLLM (the `vllm` extra, or scripts/setup_vllm_cpu.sh on CPU)."
+        ),
+    ] = EngineName.torch,
+    vllm_option: Annotated[
+        list[str] | None,
+        typer.Option(
+            show_default=False,
+            metavar="KEY=VALUE",
+            help="With --engine vllm: a VLLMEngineConfig field, repeatable; the value is read as JSON when "
+            "it parses, else as a string. E.g. --vllm-option dtype=float32 --vllm-option kv_cache_gib=2 "
+            "--vllm-option gpu_memory_utilization=0.4.",
+        ),
+    ] = None,
 ) -> None:
     """Host inference and training for any number of models; clients connect with RemoteBackend.
 
@@ -125,19 +173,67 @@ def serve(
         raise typer.Exit(2)
     import uvicorn
 
+    from art_core.engine import EngineConfig
+    from art_core.server import KEEP_ALIVE_S, MAX_CONCURRENT_REQUESTS
     from art_core.service import ModelService
     from art_core.training_api import create_server_app
+    from art_core.vllm_config import VLLMNotInstalledError
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[_rich_handler()])
-    service = ModelService(path)
+    engine_config = (
+        EngineConfig() if max_queued_rows is None else EngineConfig(max_queued_rows=max_queued_rows)
+    )
+    try:
+        serving = serving_config(engine.value, vllm_option or [])
+        if serving.engine == "vllm" and max_queued_rows is not None:
+            raise ValueError("--max-queued-rows applies to the torch engine; vLLM keeps its own queue")
+        service = ModelService(path, engine_config, serving=serving)
+    except (ValueError, TypeError, VLLMNotInstalledError) as exc:
+        console.print(f"[red]art serve:[/] {_escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2) from exc
+    max_in_flight = max_concurrent_requests or MAX_CONCURRENT_REQUESTS
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
     auth = "an API key is required" if api_key else "no API key (loopback only)"
-    console.print(f"art serve: {url} (OpenAI base URL {url}/v1), storage {path}, {auth}", soft_wrap=True)
+    console.print(
+        f"art serve: {url} (OpenAI base URL {url}/v1), storage {path}, {auth}, engine {serving.engine}",
+        soft_wrap=True,
+    )
     try:
-        uvicorn.run(create_server_app(service, api_key=api_key), host=host, port=port, log_level=log_level)
+        app = create_server_app(service, api_key=api_key, max_concurrent_requests=max_in_flight)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         service.close()
+
+
+def serving_config(engine: str, vllm_options: list[str]) -> ServingConfig:
+    """The ServingConfig for `--engine` and its `--vllm-option KEY=VALUE`s; raises ValueError, TypeError."""
+    from art_core.service import ServingConfig
+    from art_core.vllm_config import VLLMEngineConfig
+
+    if engine != "vllm":
+        if vllm_options:
+            raise ValueError("--vllm-option needs --engine vllm")
+        return ServingConfig(engine="torch")
+    known = {f.name for f in fields(VLLMEngineConfig)}
+    options: dict[str, Any] = {}
+    for option in vllm_options:
+        key, sep, text = option.partition("=")
+        if not sep or key not in known:
+            raise ValueError(
+                f"--vllm-option {option!r}: use KEY=VALUE with KEY one of {', '.join(sorted(known))}"
+            )
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key] = text
+    return ServingConfig(engine="vllm", vllm=VLLMEngineConfig(**options))
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
 
 
 def _is_loopback(host: str) -> bool:

@@ -14,6 +14,7 @@ a decode step's time with 400-token prompts, SmolLM2 bf16, B=32).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,8 @@ class Completion:
     text: str
     """Decoded completion, without the final eos/stop token and without the stop string (if hit)."""
     finish_reason: str
-    """"stop" (eos, a stop id or a stop string) or "length" (max_tokens or the context window)."""
+    """"stop" (eos, a stop id or a stop string), "length" (max_tokens or the context window) or
+    "abort" (its request was cancelled mid-decoding; nobody receives it)."""
 
 
 @dataclass(eq=False)
@@ -64,6 +66,9 @@ class RowState:
     finish_reason: str | None = None
     constraint: RowConstraint | None = None
     """The row's grammar state when its request is constrained (JSON schema, forced tool call)."""
+    on_token: Callable[[RowState], bool] | None = None
+    """Called after each recorded token (finish_reason already decided), on the decoding thread:
+    streams it; returning False ends the row with finish_reason "abort" (its request was cancelled)."""
 
     def push(self, token: int, logprob: float, top: list[tuple[int, float]], tokenizer: Any) -> None:
         """Record a sampled token and decide whether the row is finished."""
@@ -78,6 +83,8 @@ class RowState:
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.max_new:
             self.finish_reason = "length"
+        if self.on_token is not None and not self.on_token(self) and self.finish_reason is None:
+            self.finish_reason = "abort"
 
     def _tail_has_stop(self, tokenizer: Any) -> bool:
         tail = self.token_ids[-stop_window_tokens(self.params.stop) :]

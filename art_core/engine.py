@@ -12,6 +12,14 @@ batching". Admitting late arrivals into a running batch (continuous batching) is
 now: on this CPU a padded batch is 1.3-2x faster than transformers' continuous batching
 (measured in /work/shared/reference/decoding.md).
 
+Admission control. `generate` counts a request's n rows from admission until it returns
+(queued, decoding, or waiting while the engine is paused for training). A request that would
+take the count past `EngineConfig.max_queued_rows` is refused at once with
+`EngineOverloadedError`, carrying `retry_after_s`: the time the rows beyond capacity need to
+finish at the recent decoding rate (rows per second of batch time, an exponential average),
+clamped to 1-60 s (1 s before the first batch). So a flood gets fast refusals (HTTP 429), never
+an unbounded wait or queue.
+
 Serving weights. Rows for the served adapter (by default the peft model's active adapter when
 the engine starts: the trainer's "live" adapter in the service) decode on a `MergedWeights`
 copy: a plain model in `serve_dtype` (bfloat16 where the hardware has fast bf16) with that
@@ -30,8 +38,14 @@ Staleness contract: the copy never serves weights older than the source model's.
 - `weights_updated()` asks for the same full re-merge without a pause (after changing the
   weights outside `pause()`/`resume()`, which the trainer should not do while serving).
 
-Left out: streaming, constrained decoding (JSON schemas), sharing the prefill of prompts that
-only share a prefix (identical prompts of one sub-batch are prefilled once).
+Streaming. `generate_stream` queues the same rows but returns a `TokenStream` (see
+`art_core.streaming`): each row's tokens as they are sampled, batched per burst into one event
+loop callback, and each row's completion as soon as it ends. Closing the stream (a client that
+disconnects) cancels the request: its decoding rows end at their next token (finish reason
+"abort", counted in `EngineStats.aborted`). A cancelled `generate` call does the same.
+
+Left out: sharing the prefill of prompts that only share a prefix (identical prompts of one
+sub-batch are prefilled once).
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -54,6 +69,7 @@ from art_core.decoding import BASE_ADAPTER, Completion, DecodeBatch, RowState
 from art_core.grammar import Grammar, RowConstraint
 from art_core.sampling import SamplingParams, row_seed
 from art_core.serving_weights import UnsupportedAdapterError, peft_model_of, serving_copy
+from art_core.streaming import DeltaChannel, TokenStream
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,6 +94,19 @@ class EngineClosedError(RuntimeError):
     """The engine was closed (or its worker died); it serves no more requests."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """Admitting the request would put more than `EngineConfig.max_queued_rows` rows in the engine.
+
+    Nothing was queued; send it again after `retry_after_s` seconds (the server answers HTTP 429
+    with a `Retry-After` header), send fewer requests at once, or raise `max_queued_rows`.
+    """
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        """Whole seconds after which the rows ahead should have made room (see `TorchEngine`)."""
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One prompt to complete `params.n` times."""
@@ -98,6 +127,13 @@ class EngineConfig:
 
     max_batch_size: int = 32
     """Most rows (completions) decoded together; a request's n rows may span batches."""
+    max_queued_rows: int = 2048
+    """Admission control: most rows (a request counts its n) in the engine at once, queued or
+    decoding, including those waiting while the engine is paused for training. A request that
+    would go past it fails at once with `EngineOverloadedError` (HTTP 429 + Retry-After) instead
+    of waiting without bound; one whose n alone is larger is an `InvalidRequestError` (400). 2048
+    is 4x what 64 concurrent rollouts with n=8 hold; a queued row costs little memory (its
+    sampler state; the prompt ids are shared by the request's rows)."""
     max_context: int | None = None
     """Prompt + completion token limit; None = the model config's `max_position_embeddings`."""
     stop_on_eos: bool = True
@@ -129,6 +165,8 @@ class EngineConfig:
             )
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_queued_rows < 1:
+            raise ValueError(f"max_queued_rows must be >= 1, got {self.max_queued_rows}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(
                 f"max_context must be >= 2 (a prompt token and a new one), got {self.max_context}"
@@ -153,6 +191,8 @@ class EngineStats:
     """Largest batch so far, in rows."""
     merges: int = 0
     """Times the serving copy was (re-)merged, including at construction; 0 without one."""
+    aborted: int = 0
+    """Rows ended early because their request was cancelled (a closed stream, a cancelled call)."""
 
 
 class Engine(Protocol):
@@ -175,11 +215,24 @@ class _Job:
     results: list[Completion | None]
     remaining: int
     done: bool = False
+    channel: DeltaChannel | None = None
+    """Where the rows' tokens stream to (`generate_stream`); None for `generate`."""
+
+    def on_token(self, row: RowState) -> bool:
+        """`RowState.on_token` (worker thread): stream the token; False once nobody waits for the rows."""
+        if self.done:
+            return False
+        if self.channel is not None:
+            self.channel.push(row)
+        return True
 
     def resolve(self, value: list[Completion] | BaseException) -> None:
         if self.done:
             return
         self.done = True
+        if self.channel is not None:
+            self.channel.finish(value)
+            return
         try:
             self.loop.call_soon_threadsafe(_settle, self.future, value)
         except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
@@ -243,6 +296,8 @@ class TorchEngine:
         self._death: BaseException | None = None
         self._added: set[str] = set()
         self._stats = EngineStats(0, 0, 0, 0)
+        self._admitted = 0  # rows of requests whose generate() has not returned (admission control)
+        self._row_rate = 0.0  # recent rows finished per second of decoding (for Retry-After)
         self._serving = (
             serving_copy(model, config.serve_adapter, config.serve_dtype) if config.merged_serving else None
         )
@@ -268,25 +323,112 @@ class TorchEngine:
     # -- requests --------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> list[Completion]:
-        """Sample `request.params.n` completions; raises ContextLengthError, UnknownAdapterError."""
+        """Sample `request.params.n` completions.
+
+        Raises InvalidRequestError (ContextLengthError; n above `max_queued_rows`),
+        UnknownAdapterError, EngineOverloadedError (the engine is full: retry later) and
+        EngineClosedError.
+        """
+        self._check_request(request)
+        n = request.params.n
+        self._admit(n)  # counted until this call returns, however it ends
+        try:
+            loop = asyncio.get_running_loop()
+            job = _Job(request, loop, loop.create_future(), [None] * n, n)
+            max_new = min(request.params.max_tokens, self.max_context - len(request.prompt_ids))
+            rows = [self._row(job, i, max_new) for i in range(n)]
+            with self._cond:
+                if self._closed:
+                    raise EngineClosedError("the engine is closed") from self._death
+                self._rows.extend(rows)
+                self._cond.notify_all()
+            try:
+                return await job.future
+            except asyncio.CancelledError:
+                job.done = True  # its queued rows are skipped
+                raise
+        finally:
+            with self._cond:
+                self._admitted -= n
+
+    def generate_stream(self, request: GenerationRequest) -> TokenStream:
+        """`generate`, streamed: each row's tokens as they are sampled (see `art_core.streaming`).
+
+        Call it on the event loop that iterates the stream. Raises at once what `generate` raises
+        before queueing (InvalidRequestError, UnknownAdapterError, EngineOverloadedError,
+        EngineClosedError); a failure while decoding comes out of the iteration. The rows count
+        against `max_queued_rows` until the stream ends or is closed; closing it early cancels them.
+        """
         self._check_request(request)
         loop = asyncio.get_running_loop()
         n = request.params.n
-        job = _Job(request, loop, loop.create_future(), [None] * n, n)
+        self._admit(n)
+        channel = DeltaChannel(loop, self._tokenizer)
+        job = _Job(request, loop, loop.create_future(), [None] * n, n, channel=channel)
+
+        def cancel() -> None:  # once (TokenStream.close): the stream ended, or its consumer left early
+            job.done = True  # queued rows are skipped, decoding rows end at their next token
+            with self._cond:
+                self._admitted -= n
+
         max_new = min(request.params.max_tokens, self.max_context - len(request.prompt_ids))
-        rows = [self._row(job, i, max_new) for i in range(n)]
+        try:
+            rows = [self._row(job, i, max_new) for i in range(n)]
+        except BaseException:  # e.g. a grammar that fails to start: give the admitted rows back
+            cancel()
+            raise
+        with self._cond:
+            closed = self._closed
+            if not closed:
+                self._rows.extend(rows)
+                self._cond.notify_all()
+        if closed:
+            cancel()
+            raise EngineClosedError("the engine is closed") from self._death
+        return TokenStream(channel, cancel)
+
+    def pending_rows(self) -> int:
+        """Rows admitted and not yet answered: queued, decoding, or waiting out a pause."""
+        with self._cond:
+            return self._admitted
+
+    def _admit(self, n: int) -> None:
+        """Count `n` rows against `max_queued_rows`; EngineOverloadedError if they do not fit."""
         with self._cond:
             if self._closed:
                 raise EngineClosedError("the engine is closed") from self._death
-            self._rows.extend(rows)
-            self._cond.notify_all()
-        try:
-            return await job.future
-        except asyncio.CancelledError:
-            job.done = True  # its queued rows are skipped
-            raise
+            capacity = self.config.max_queued_rows
+            if self._admitted + n > capacity:
+                raise EngineOverloadedError(
+                    f"the engine is full: {self._admitted} rows (completions) are queued or decoding, "
+                    f"this request adds {n} and EngineConfig.max_queued_rows is {capacity}; retry after "
+                    "Retry-After seconds, send fewer requests at once, or raise max_queued_rows",
+                    retry_after_s=self._retry_after(self._admitted + n - capacity),
+                )
+            self._admitted += n
+
+    def _retry_after(self, excess_rows: int) -> int:
+        """Seconds until `excess_rows` more rows have finished at the recent decoding rate, in [1, 60].
+
+        1 s before any batch was timed. The rate is that of decoding: a pause for training is not
+        foreseen, and a client told to retry during one may be told again.
+        """
+        if self._row_rate <= 0:
+            return 1
+        return max(1, min(60, math.ceil(excess_rows / self._row_rate)))
+
+    def _note_rate(self, rows: int, seconds: float) -> None:
+        """Fold one batch's rows per second into the running rate (exponential average)."""
+        rate = rows / max(seconds, 1e-3)
+        self._row_rate = rate if self._row_rate <= 0 else 0.7 * self._row_rate + 0.3 * rate
 
     def _check_request(self, request: GenerationRequest) -> None:
+        if request.params.n > self.config.max_queued_rows:
+            raise InvalidRequestError(
+                f"n={request.params.n} is more than this engine ever admits at once "
+                f"(EngineConfig.max_queued_rows={self.config.max_queued_rows}); ask for fewer completions "
+                "per request"
+            )
         n_prompt = len(request.prompt_ids)
         if n_prompt == 0:
             raise InvalidRequestError("prompt_ids is empty: the engine needs at least one prompt token")
@@ -322,6 +464,7 @@ class TorchEngine:
             generator,
             stop_ids,
             constraint=constraint,
+            on_token=job.on_token,
         )
 
     # -- adapters ----------------------------------------------------------------------------
@@ -463,7 +606,9 @@ class TorchEngine:
                         _run_op(op, future)
                     self._sync_serving(force)
                     if rows:
+                        started = time.monotonic()
                         self._run_batch(rows)
+                        self._note_rate(len(rows), time.monotonic() - started)
                 finally:
                     with self._cond:
                         self._busy = False
@@ -546,8 +691,13 @@ class TorchEngine:
     def _record(self, rows: list[RowState]) -> None:
         s = self._stats
         tokens = sum(len(r.token_ids) for r in rows)
+        aborted = sum(r.finish_reason == "abort" for r in rows)
         self._stats = EngineStats(
-            s.batches + 1, s.rows + len(rows), s.tokens + tokens, max(s.max_batch_rows, len(rows))
+            s.batches + 1,
+            s.rows + len(rows),
+            s.tokens + tokens,
+            max(s.max_batch_rows, len(rows)),
+            aborted=s.aborted + aborted,
         )
         for row in rows:
             job = row.job

@@ -78,8 +78,18 @@ def json_object_grammar() -> Grammar:
     return json_schema_grammar({"type": "object"}, name="json_object")
 
 
+def _function(entry: Any, what: str) -> dict[str, Any]:
+    """`entry["function"]` of a tool or a tool_choice; GrammarError unless both are JSON objects."""
+    function = entry.get("function") if isinstance(entry, dict) else None
+    if not isinstance(function, dict):
+        raise GrammarError(
+            f"{what} must look like {{'type': 'function', 'function': {{'name': ...}}}}, got {entry!r}"
+        )
+    return function
+
+
 def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
-    function = tool.get("function") or {}
+    function = _function(tool, "each tool")
     parameters = function.get("parameters") or {"type": "object"}
     return {
         "type": "object",
@@ -104,9 +114,9 @@ def tool_call_grammar(
     if tool_choice == "required":
         chosen = tools
         description = "tool_choice required"
-    elif isinstance(tool_choice, dict) and (tool_choice.get("function") or {}).get("name"):
+    elif isinstance(tool_choice, dict) and _function(tool_choice, "a tool_choice object").get("name"):
         name = tool_choice["function"]["name"]
-        chosen = [t for t in tools if (t.get("function") or {}).get("name") == name]
+        chosen = [t for t in tools if _function(t, "each tool").get("name") == name]
         if not chosen:
             raise GrammarError(f"tool_choice names {name!r}, which is not among the tools given")
         description = f"tool_choice {name!r}"

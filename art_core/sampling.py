@@ -34,7 +34,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end a completion (kept in `token_ids`, removed from the text)."""
     seed: int | None = None
-    """Seed for reproducible sampling; None draws from torch's global generator."""
+    """Seed for reproducible sampling, in [-2**63, 2**64) (what a torch generator takes); None draws
+    from torch's global generator."""
     top_logprobs: int = 0
     """How many most likely alternatives (id, logprob) to return per position; 0 = none."""
 
@@ -53,6 +54,8 @@ class SamplingParams:
             raise ValueError(
                 f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}"
             )
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
 
@@ -147,7 +150,10 @@ def sample_next(
     sampling = (~greedy).nonzero()[:, 0]
     if len(sampling) == 0:
         return out
-    probs = torch.softmax(logits[sampling] / temperatures[sampling, None].float(), dim=-1)
+    rows = logits[sampling]
+    # Shift by the row max before dividing: logits / T overflows to inf (softmax: NaN) for T ~ 1e-40.
+    shifted = rows - rows.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(shifted / temperatures[sampling, None].float(), dim=-1)
     picked = inverse_cdf(probs, uniforms[sampling])
     nucleus = (top_ps[sampling] < 1).nonzero()[:, 0]
     if len(nucleus):

@@ -44,7 +44,7 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from art_core.backends.base import ModelSpec, TrainResult
 from art_core.config import TrainConfig
 from art_core.models import ModelNotFoundError
-from art_core.server import APIError, UnknownModelError, create_app
+from art_core.server import MAX_CONCURRENT_REQUESTS, APIError, UnknownModelError, create_app
 from art_core.service import ModelService
 from art_core.types import TrajectoryGroup
 
@@ -286,9 +286,17 @@ def training_router(service: ModelService) -> APIRouter:
     return router
 
 
-def create_server_app(service: ModelService, *, api_key: str | None = None) -> FastAPI:
-    """The whole `art serve` app: OpenAI routes, training routes, and the API key on every route."""
-    app = create_app(service, api_key=api_key)
+def create_server_app(
+    service: ModelService,
+    *,
+    api_key: str | None = None,
+    max_concurrent_requests: int = MAX_CONCURRENT_REQUESTS,
+) -> FastAPI:
+    """The whole `art serve` app: OpenAI routes, training routes, and the API key on every route.
+
+    Past `max_concurrent_requests` HTTP requests in flight (all routes but `/health`), others get 503.
+    """
+    app = create_app(service, api_key=api_key, max_concurrent_requests=max_concurrent_requests)
     app.title = "art serve"
     app.include_router(training_router(service))
     return app

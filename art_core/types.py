@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Iterable, MutableSequence
 from typing import Any, overload
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 Message = dict[str, Any]
 """An OpenAI chat message as a plain dict (`role`, `content`, optional `tool_calls`, ...)."""
@@ -209,7 +210,9 @@ class TrajectoryGroup(BaseModel):
     metadata: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
     metrics: dict[str, float | int | bool] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
-    pending: list[Awaitable[Trajectory]] = Field(default_factory=list, exclude=True, repr=False)
+    pending: SkipJsonSchema[list[Awaitable[Trajectory]]] = Field(
+        default_factory=list, exclude=True, repr=False
+    )
 
     def __init__(
         self,

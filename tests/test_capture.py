@@ -151,6 +151,36 @@ async def test_litellm_door_acompletion_and_completion(model: TrainableModel) ->
 
 
 @ASYNC
+async def test_streamed_calls_are_captured_like_plain_ones(model: TrainableModel) -> None:
+    """openai (header door) and LiteLLM (scoped URL door) with stream=True: the records, hence the
+    trajectory, hold the same tokens as the plain call with the same seed, and the reply a client
+    rebuilt from the chunks continues the conversation (one history, two turns)."""
+    client = model.openai_client()
+    messages: list[Any] = [{"role": "user", "content": "stream"}]
+    kwargs: Any = {"model": model.name, "max_tokens": MAX_TOKENS, "seed": 5, "temperature": 1.0}
+    async with rollout(model) as plain_scope:
+        plain = await client.chat.completions.create(messages=messages, **kwargs)
+    async with rollout(model) as scope:
+        chunks = [
+            c async for c in await client.chat.completions.create(messages=messages, stream=True, **kwargs)
+        ]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "more"}]
+        params = {**model.litellm_completion_params(), "max_tokens": MAX_TOKENS}
+        pieces = [c async for c in await litellm.acompletion(**params, messages=messages, stream=True)]
+    assert content == plain.choices[0].message.content
+    trajectory = scope.trajectory
+    assert len(trajectory.turns) == 2 and not trajectory.additional_histories
+    first, second = trajectory.turns
+    assert first.completion_ids == plain_scope.trajectory.turns[0].completion_ids
+    assert_turn_matches(first, plain.choices[0])
+    assert_turn_matches(first, chunks[-1].choices[0])  # the last chunk carries the token fields
+    assert trajectory.messages[:3] == messages  # as sent, the streamed reply included
+    assert trajectory.messages[-1]["content"] == "".join(p.choices[0].delta.content or "" for p in pieces)
+    assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
+
+
+@ASYNC
 async def test_litellm_params_built_before_the_scope(model: TrainableModel) -> None:
     params = model.litellm_completion_params()  # unscoped api_base
     async with rollout(model) as scope:

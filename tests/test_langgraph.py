@@ -259,6 +259,35 @@ async def test_state_graph_astream_events_and_sync_stream(model: TrainableModel)
 
 
 @ASYNC
+async def test_streaming_chat_openai_gives_the_same_trajectory_as_plain_calls(model: TrainableModel) -> None:
+    """Token streaming (`ChatOpenAI(streaming=True)`) inside a rollout: the same seeded tokens and messages."""
+    trajectories = []
+    for streaming in (False, True):
+        llm = unshared_chat_openai(model, max_tokens=6, seed=9, temperature=1.0, streaming=streaming)
+        traced = langgraph_rollout(model)(create_react_agent(llm, [get_price], prompt=PROMPT_A))
+        result, trajectory = await traced.ainvoke(QUESTION)
+        assert trajectory.messages[-1]["content"] == last_ai_text(result)
+        trajectories.append(trajectory)
+    plain, streamed = trajectories
+    assert streamed.messages == plain.messages and len(streamed.turns) == 1
+    assert streamed.turns[0].prompt_ids == plain.turns[0].prompt_ids
+    assert streamed.turns[0].completion_ids == plain.turns[0].completion_ids
+    assert streamed.turns[0].logprobs == pytest.approx(plain.turns[0].logprobs)
+
+    # chat_model() streams tokens under stream_mode="messages" and astream_events.
+    agent = create_agent(chat_model(model, max_tokens=6), tools=[get_price], system_prompt=PROMPT_A)
+    events = langgraph_rollout(model)(agent).astream_events(QUESTION, version="v2")
+    streamed_tokens = [e async for e in events if e["event"] == "on_chat_model_stream"]
+    (turn,) = events.trajectory.turns
+    assert len(streamed_tokens) > 1
+    assert (
+        "".join(str(e["data"]["chunk"].content) for e in streamed_tokens)
+        == events.trajectory.messages[-1]["content"]
+    )
+    assert len(turn.completion_ids) <= 6
+
+
+@ASYNC
 async def test_sub_graph_and_a_second_llm_node(model: TrainableModel) -> None:
     research = create_agent(chat_model(model, max_tokens=4), tools=[get_price], system_prompt=PROMPT_A)
     answer_llm = unshared_chat_openai(model, max_tokens=4)

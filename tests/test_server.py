@@ -120,7 +120,7 @@ def test_errors_in_openai_shape(client: openai.OpenAI, server: tuple[ServerHandl
         {"n": 0},
         {"top_p": 0},
         {"messages": []},
-        {"stream": True},
+        {"stream_options": {"include_usage": True}},  # only with stream=true
         {"tool_choice": "required"},  # no tools to choose from
         {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER_TOOL]},
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},  # no schema

@@ -13,7 +13,7 @@ from art_core.capture import RolloutRecorder
 from art_core.config import TrainConfig
 from art_core.engine import EngineConfig
 from art_core.server import ServerHandle, create_app, serve_in_thread
-from art_core.service import ModelService
+from art_core.service import ModelService, ServingConfig
 from art_core.types import TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -28,6 +28,10 @@ class LocalBackend:
     The server binds 127.0.0.1 on a free port unless told otherwise. Bound anywhere else it
     refuses to start without an explicit `api_key`. On loopback a random key is made per
     backend; clients from `model.openai_client()` carry it.
+
+    `serving` chooses the engine: `LocalBackend(serving=ServingConfig(engine="vllm"))` serves with
+    vLLM (each step's checkpoint hot-loaded) while the trainer trains here; `engine_config`
+    configures the default TorchEngine.
     """
 
     def __init__(
@@ -38,13 +42,14 @@ class LocalBackend:
         port: int = 0,
         api_key: str | None = None,
         engine_config: EngineConfig | None = None,
+        serving: ServingConfig | None = None,
     ) -> None:
         if host not in LOOPBACK and not api_key:
             raise ValueError(
                 f"refusing to serve on {host!r} without an api_key: pass api_key=... "
                 "(or bind 127.0.0.1, the default)"
             )
-        self.service = ModelService(path, engine_config)
+        self.service = ModelService(path, engine_config, serving=serving)
         self.host, self.port = host, port
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.recorder = RolloutRecorder()
