@@ -12,15 +12,35 @@ sent whole in the choice's last chunk, parsed exactly as in the non-streamed res
 The last chunk of every choice also carries the same token fields as a non-streamed choice
 (`prompt_token_ids`, `token_ids`, `token_logprobs`, `served_model`), so a client can rebuild the
 exact record; earlier chunks carry no token ids.
+
+`streamed_completion` is the `text/event-stream` response: it starts once the engine's first
+tokens are there (`art_core.streaming.token_stream`), so everything that fails before is a JSON
+error; a failure midway is an SSE `{"error": ...}` event and the stream ends without `[DONE]`. The
+whole response is handed to `record` before the last choice's last chunk is sent; closing the
+response (the client gone) cancels the engine's rows.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from art_core.api_errors import engine_call, engine_error
+from art_core.chat_completion import PreparedChat, chat_choice, prepare_chat
+from art_core.engine import GenerationRequest
+from art_core.model_router import ModelRouter, ServedModel
+from art_core.openai_format import ChatCompletionRequest, build_response, logprobs_of
 from art_core.sampling import find_stop
+from art_core.streaming import DeltaStream, RowDelta, token_stream
+
+logger = logging.getLogger(__name__)
 
 TOOL_CALL_TAG = "<tool_call>"
 """Where streamed content stops when tool calls are parsed (the Hermes format, `chat_template`)."""
@@ -117,4 +137,149 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-__all__ = ["TOOL_CALL_TAG", "ChoiceText", "StreamTextError", "settled_content", "sse", "tool_call_deltas"]
+# -- the SSE response ---------------------------------------------------------------------------
+
+
+async def streamed_completion(
+    router: ModelRouter, req: ChatCompletionRequest, record: Callable[[dict[str, Any]], None]
+) -> StreamingResponse:
+    """The SSE response; it starts once the first tokens are there, so earlier failures are JSON errors."""
+    prepared = prepare_chat(router, req)
+    stream, first = await engine_call(_open_stream(prepared.served, prepared.request))
+    events = _ChatStream(req, prepared, record).events(stream, first)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    # `background` also runs when the client disconnects: the engine then stops decoding the rows.
+    return StreamingResponse(
+        events, media_type="text/event-stream", headers=headers, background=BackgroundTask(stream.aclose)
+    )
+
+
+async def _open_stream(served: ServedModel, request: GenerationRequest) -> tuple[DeltaStream, list[RowDelta]]:
+    stream = token_stream(served.engine, request)
+    try:
+        return stream, await anext(stream)
+    except BaseException:
+        await stream.aclose()
+        raise
+
+
+class _ChatStream:
+    """One streamed chat completion: engine increments in, `chat.completion.chunk` events out."""
+
+    def __init__(
+        self, req: ChatCompletionRequest, prepared: PreparedChat, record: Callable[[dict[str, Any]], None]
+    ) -> None:
+        self.req, self.prepared, self.record = req, prepared, record
+        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        self.n = prepared.request.params.n
+        stop = prepared.request.params.stop
+        self.texts = [
+            ChoiceText(prepared.served.tokenizer, stop, prepared.parse_tools) for _ in range(self.n)
+        ]
+        self.finals: dict[int, dict[str, Any]] = {}
+        self.include_usage = bool((req.stream_options or {}).get("include_usage"))
+
+    async def events(self, stream: DeltaStream, first: list[RowDelta]) -> AsyncIterator[str]:
+        """Role chunks, content chunks, each choice's last chunk, the usage chunk, `[DONE]`."""
+        try:
+            for index in range(self.n):
+                yield sse(self._chunk(index, {"role": "assistant", "content": ""}))
+            increment = first
+            while True:
+                for delta in increment:
+                    chunk = self._delta_chunk(delta)
+                    if chunk is not None:
+                        yield sse(chunk)
+                if len(self.finals) == self.n:
+                    break
+                following = await anext(stream, None)
+                if following is None:
+                    raise RuntimeError("the engine's token stream ended before every choice finished")
+                increment = following
+            if self.include_usage:
+                usage = build_response(
+                    self.req.model, list(self.finals.values()), len(self.prepared.prompt_ids)
+                )
+                yield sse({**self._envelope([]), "usage": usage["usage"]})
+        except Exception as exc:
+            yield sse({"error": engine_error(exc).body()})
+            return
+        finally:
+            await stream.aclose()
+            if len(self.finals) < self.n:
+                logger.info(
+                    "a streamed chat completion for %r ended with %d of %d choices finished (client gone or "
+                    "an error); it is not recorded",
+                    self.req.model,
+                    len(self.finals),
+                    self.n,
+                )
+        yield sse("[DONE]")
+
+    def _delta_chunk(self, delta: RowDelta) -> dict[str, Any] | None:
+        tokenizer = self.prepared.served.tokenizer
+        logprobs = None
+        if self.req.logprobs:
+            logprobs = logprobs_of(tokenizer, delta.token_ids, delta.logprobs, delta.top_logprobs)
+        text = self.texts[delta.index]
+        if delta.completion is None:
+            content = text.feed(delta.token_ids)
+            if not content and logprobs is None:
+                return None
+            return self._chunk(delta.index, {"content": content} if content else {}, logprobs=logprobs)
+        choice = chat_choice(self.req, self.prepared, delta.index, delta.completion)
+        self.finals[delta.index] = choice
+        if len(self.finals) == self.n:  # recorded before the client can see the request end
+            choices = [self.finals[i] for i in range(self.n)]
+            self.record(build_response(self.req.model, choices, len(self.prepared.prompt_ids)))
+        message = choice["message"]
+        last: dict[str, Any] = {}
+        if rest := text.rest(message["content"]):
+            last["content"] = rest
+        if message.get("tool_calls"):
+            last["tool_calls"] = tool_call_deltas(message["tool_calls"])
+        token_fields = {
+            k: choice[k] for k in ("prompt_token_ids", "token_ids", "token_logprobs", "served_model")
+        }
+        return self._chunk(
+            delta.index, last, logprobs=logprobs, finish_reason=choice["finish_reason"], **token_fields
+        )
+
+    def _chunk(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        *,
+        logprobs: dict[str, Any] | None = None,
+        finish_reason: str | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            **fields,
+        }
+        return self._envelope([choice])
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.req.model,
+            "choices": choices,
+        }
+        return {**body, "usage": None} if self.include_usage else body
+
+
+__all__ = [
+    "TOOL_CALL_TAG",
+    "ChoiceText",
+    "StreamTextError",
+    "settled_content",
+    "sse",
+    "streamed_completion",
+    "tool_call_deltas",
+]

@@ -174,7 +174,8 @@ def serve(
     import uvicorn
 
     from art_core.engine import EngineConfig
-    from art_core.server import KEEP_ALIVE_S, MAX_CONCURRENT_REQUESTS
+    from art_core.middleware import MAX_CONCURRENT_REQUESTS
+    from art_core.server import KEEP_ALIVE_S
     from art_core.service import ModelService
     from art_core.training_api import create_server_app
     from art_core.vllm_config import VLLMNotInstalledError

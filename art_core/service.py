@@ -33,8 +33,8 @@ from art_core.checkpoints import ModelStorage, validate_name
 from art_core.config import TrainConfig
 from art_core.engine import Engine, EngineConfig, TorchEngine, UnknownAdapterError
 from art_core.lora import LoRAConfig, attach_lora
+from art_core.model_router import ServedModel, UnknownModelError
 from art_core.models import LoadedModel, load_model
-from art_core.server import ServedModel, UnknownModelError
 from art_core.trainer import Trainer
 from art_core.types import TrajectoryGroup
 from art_core.vllm_config import VLLMEngineConfig, require_vllm

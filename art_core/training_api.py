@@ -41,10 +41,13 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
+from art_core.api_errors import APIError
 from art_core.backends.base import ModelSpec, TrainResult
 from art_core.config import TrainConfig
+from art_core.middleware import MAX_CONCURRENT_REQUESTS
+from art_core.model_router import UnknownModelError
 from art_core.models import ModelNotFoundError
-from art_core.server import MAX_CONCURRENT_REQUESTS, APIError, UnknownModelError, create_app
+from art_core.server import create_app
 from art_core.service import ModelService
 from art_core.types import TrajectoryGroup
 
@@ -140,10 +143,6 @@ def api_error(exc: BaseException) -> APIError:
     return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
 
 
-def _error_body(error: APIError) -> dict[str, Any]:
-    return {"message": error.message, "type": error.type, "param": error.param, "code": error.code}
-
-
 def _check_registered(service: ModelService, name: str) -> None:
     try:
         service.get(name)
@@ -207,7 +206,7 @@ class TrainStream:
         while True:
             if isinstance(event, BaseException):
                 error = api_error(event)
-                yield _line({"error": _error_body(error), "status": error.status})
+                yield _line({"error": error.body(), "status": error.status})
                 return
             yield _line(event)
             if "result" in event:

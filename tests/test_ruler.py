@@ -619,7 +619,8 @@ async def test_score_group_needs_two_trajectories(scripted_judge_server: Scripte
 def _server_takes_json_schema() -> bool:
     """Whether our server accepts response_format json_schema (constrained decoding) yet."""
     try:
-        from art_core.server import APIError, ChatCompletionRequest, check_supported
+        from art_core.api_errors import APIError
+        from art_core.openai_format import ChatCompletionRequest, check_supported
     except ImportError:
         return True  # the check moved: assume it is supported and let the test tell
     request = ChatCompletionRequest.model_validate(
@@ -639,11 +640,12 @@ def _server_takes_json_schema() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(
     not _server_takes_json_schema(),
-    reason="art_core.server rejects response_format json_schema (constrained decoding not there yet)",
+    reason="our server rejects response_format json_schema (constrained decoding not there yet)",
 )
 async def test_real_local_judge_on_our_server(smollm2: Any, caplog: pytest.LogCaptureFixture) -> None:
     from art_core.engine import EngineConfig, TorchEngine
-    from art_core.server import ServedModel, StaticRouter, create_app
+    from art_core.model_router import ServedModel, StaticRouter
+    from art_core.server import create_app
 
     engine = TorchEngine(smollm2.model, smollm2.tokenizer, EngineConfig())
     served = ServedModel(

@@ -524,7 +524,7 @@ def test_tools_and_tool_choice_that_are_not_objects_are_a_400(http: httpx.Client
 
 
 def test_a_json_schema_response_format_that_is_not_an_object_is_a_400(http: httpx.Client) -> None:
-    # Was a 500: AttributeError on `spec.get("schema")` (art_core.server.request_grammar).
+    # Was a 500: AttributeError on `spec.get("schema")` (art_core.openai_format.request_grammar).
     response = chat(http, response_format={"type": "json_schema", "json_schema": "x"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
 

@@ -16,8 +16,9 @@ import openai
 import pytest
 
 from art_core.engine import EngineConfig, TorchEngine
+from art_core.model_router import ServedModel, StaticRouter
 from art_core.models import LoadedModel
-from art_core.server import ServedModel, ServerHandle, StaticRouter, create_app, serve_in_thread
+from art_core.server import ServerHandle, create_app, serve_in_thread
 
 CAPACITY = 16
 MESSAGES: Any = [{"role": "user", "content": "Say hello."}]

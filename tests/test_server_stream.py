@@ -21,8 +21,9 @@ from pydantic import SecretStr
 
 from art_core.chat_stream import ChoiceText, StreamTextError, settled_content
 from art_core.engine import Completion, EngineConfig, GenerationRequest, TorchEngine
+from art_core.model_router import ServedModel, StaticRouter
 from art_core.models import LoadedModel
-from art_core.server import ServedModel, ServerHandle, StaticRouter, create_app, serve_in_thread
+from art_core.server import ServerHandle, create_app, serve_in_thread
 
 MESSAGES: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
 WEATHER_TOOL: Any = {
