@@ -2,15 +2,23 @@
 
 `TorchEngine` owns one worker thread that does all torch compute. `generate` (async, callable
 from any event loop and from many coroutines at once) queues the request's n rows and awaits a
-future the worker resolves. The worker takes every queued row (up to `max_batch_size`) and
-decodes them as ONE left-padded batch with a `DynamicCache`: a prefill, then token-by-token
-decoding in our own loop; each row ends on its own (stop ids, eos, stop strings, max_tokens)
-and finished rows are dropped from the batch once enough of them have piled up. A batch starts
-`batch_wait_s` (5 ms) after its first request arrived, so a burst of HTTP requests lands in one
-batch; requests that arrive while a batch runs wait for the next one. This is "dynamic
-batching". Admitting late arrivals into a running batch (continuous batching) is left out for
-now: on this CPU a padded batch is 1.3-2x faster than transformers' continuous batching
-(measured in /work/shared/reference/decoding.md).
+future the worker resolves. The worker takes the queued rows (up to `max_batch_size`) and
+decodes them as one left-padded batch with a KV cache: a prefill, then token-by-token decoding
+in our own loop; each row ends on its own (stop ids, eos, stop strings, max_tokens) and its
+request is answered as soon as its last row ends. A batch starts `batch_wait_s` (5 ms) after
+its first request arrived, so a burst of HTTP requests mostly lands in one prefill.
+
+Continuous batching. Between decode steps, rows queued meanwhile join the running batch while
+it has room: they are prefilled together and their cache is joined to the batch's, left-padded
+(`art_core.kv_cache.join_caches`). Without it, 32 concurrent HTTP requests of SmolLM2 arrived as
+two batches, the second waiting for the whole first one: 190 tok/s over HTTP against 294 with
+joining (bench/serve_throughput.py, 2 cores). We chose it over padded waves after measuring
+both here; transformers' own continuous-batching manager measured 0.5-0.75x a padded batch
+(/work/shared/reference/decoding.md), so the loop stays ours. A pause, an adapter operation or
+a re-merge of the serving copy stops admission so the running batch drains (no starvation).
+
+Decode steps of the merged serving copy run `art_core.decode_step` (the model's own modules,
+without transformers' per-call machinery) when the architecture is supported (Llama, Qwen2).
 
 Admission control. `generate` counts a request's n rows from admission until it returns
 (queued, decoding, or waiting while the engine is paused for training). A request that would
@@ -451,7 +459,7 @@ class TorchEngine:
         generator = self._rng
         if params.seed is not None:
             generator = torch.Generator().manual_seed(row_seed(params.seed, index))
-        stop_ids = frozenset(params.stop_token_ids) | self._eos_ids
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
         grammar = job.request.grammar
         constraint = None if grammar is None else RowConstraint(grammar, self._tokenizer, self._vocab_size)
         return RowState(
@@ -606,9 +614,7 @@ class TorchEngine:
                         _run_op(op, future)
                     self._sync_serving(force)
                     if rows:
-                        started = time.monotonic()
                         self._run_batch(rows)
-                        self._note_rate(len(rows), time.monotonic() - started)
                 finally:
                     with self._cond:
                         self._busy = False
@@ -657,47 +663,93 @@ class TorchEngine:
             logger.log(level, "dropped the merged serving copy (its rows now run through peft): %s", exc)
             self._serving = None
 
-    def _run_batch(self, rows: list[RowState]) -> None:
+    def _runnable(self, rows: list[RowState]) -> list[RowState]:
+        """`rows` without cancelled ones; rows of adapters removed meanwhile fail with UnknownAdapterError."""
         loaded = set(self.adapters())
-        missing = [r for r in rows if r.adapter is not None and r.adapter not in loaded]
-        for row in missing:
-            row.job.resolve(
-                UnknownAdapterError(f"adapter {row.adapter!r} was removed before the request ran")
-            )
-        rows = [r for r in rows if not r.job.done]
+        for row in rows:
+            if row.adapter is not None and row.adapter not in loaded:
+                row.job.resolve(
+                    UnknownAdapterError(f"adapter {row.adapter!r} was removed before the request ran")
+                )
+        return [r for r in rows if not r.job.done]
+
+    def _run_batch(self, rows: list[RowState]) -> None:
+        """Decode `rows` in one or two lanes (serving copy, peft model); more rows join while they run."""
+        rows = self._runnable(rows)
         if not rows:
             return
         logger.debug("engine batch: %d rows from %d requests", len(rows), len({id(r.job) for r in rows}))
+        self._stats = replace(self._stats, batches=self._stats.batches + 1)
         serving = self._serving
         fast = [r for r in rows if serving is not None and r.adapter == serving.adapter]
         slow = [r for r in rows if serving is None or r.adapter != serving.adapter]
-        try:
-            with torch.inference_mode():
-                if fast and serving is not None:
-                    DecodeBatch(serving.model, self._tokenizer, fast, use_adapter_names=False).run(
-                        self.config.prune_fraction
-                    )
-                if slow:
-                    with _modes_kept(self._model, eval_inside=True):
-                        peft = peft_model_of(self._model)
-                        batch = DecodeBatch(self._model, self._tokenizer, slow, use_adapter_names=peft)
-                        batch.run(self.config.prune_fraction)
-            self._record(rows)
-        except Exception as exc:  # every request of the batch gets the error; the worker carries on
-            logger.exception("engine batch of %d rows failed", len(rows))
-            for row in rows:
-                row.job.resolve(exc)
+        with torch.inference_mode():
+            if fast and serving is not None:
+                self._run_lane(fast, serving.model, peft=False, on_serving_copy=True)
+            if slow:
+                with _modes_kept(self._model, eval_inside=True):
+                    self._run_lane(slow, self._model, peft_model_of(self._model), on_serving_copy=False)
 
-    def _record(self, rows: list[RowState]) -> None:
+    def _run_lane(self, rows: list[RowState], model: Any, peft: bool, on_serving_copy: bool) -> None:
+        """One DecodeBatch on `model`; queued rows of the same lane join it while it runs."""
+        lane = _Lane(rows)
+
+        def admit(room: int) -> list[RowState]:
+            joiners = self._take_joiners(room, on_serving_copy)
+            lane.joined(joiners)
+            self._stats = replace(self._stats, max_batch_rows=max(self._stats.max_batch_rows, lane.live))
+            return joiners
+
+        def finished(done: list[RowState]) -> None:
+            lane.finished(done)
+            self._finish(done)
+            if lane.rate_window_s() >= 1.0:
+                self._note_rate(*lane.take_rate_window())
+
+        self._stats = replace(self._stats, max_batch_rows=max(self._stats.max_batch_rows, lane.live))
+        try:
+            DecodeBatch(model, self._tokenizer, rows, use_adapter_names=peft).run(
+                self.config.prune_fraction,
+                admit=admit,
+                finished=finished,
+                max_rows=self.config.max_batch_size,
+            )
+        except Exception as exc:  # every request of the lane gets the error; the worker carries on
+            logger.exception("engine batch of %d rows failed", len(lane.unfinished))
+            for row in lane.unfinished:
+                row.job.resolve(exc)
+        if lane.rate_window_s() > 0 and lane.finished_in_window:
+            self._note_rate(*lane.take_rate_window())
+
+    def _take_joiners(self, room: int, on_serving_copy: bool) -> list[RowState]:
+        """Up to `room` queued rows of this lane to join a running batch; none while a pause, an
+        adapter operation or a re-merge waits for the batch to end."""
+        with self._cond:
+            if self._paused or self._closed or self._ops or self._resync or not self._rows:
+                return []
+            serving = self._serving
+            taken: list[RowState] = []
+            kept: deque[RowState] = deque()
+            while self._rows:
+                row = self._rows.popleft()
+                fits = (serving is not None and row.adapter == serving.adapter) == on_serving_copy
+                if row.job.done:
+                    continue
+                if fits and len(taken) < room:
+                    taken.append(row)
+                else:
+                    kept.append(row)
+            self._rows = kept
+        return self._runnable(taken)
+
+    def _finish(self, rows: list[RowState]) -> None:
+        """Hand finished rows to their requests (a request resolves when its last row finishes)."""
         s = self._stats
-        tokens = sum(len(r.token_ids) for r in rows)
-        aborted = sum(r.finish_reason == "abort" for r in rows)
-        self._stats = EngineStats(
-            s.batches + 1,
-            s.rows + len(rows),
-            s.tokens + tokens,
-            max(s.max_batch_rows, len(rows)),
-            aborted=s.aborted + aborted,
+        self._stats = replace(
+            s,
+            rows=s.rows + len(rows),
+            tokens=s.tokens + sum(len(r.token_ids) for r in rows),
+            aborted=s.aborted + sum(r.finish_reason == "abort" for r in rows),
         )
         for row in rows:
             job = row.job
@@ -705,6 +757,42 @@ class TorchEngine:
             job.remaining -= 1
             if job.remaining == 0:
                 job.resolve([c for c in job.results if c is not None])
+
+
+class _Lane:
+    """Which rows of a running DecodeBatch have not finished yet (to fail them if it breaks)."""
+
+    def __init__(self, rows: list[RowState]) -> None:
+        self._unfinished = {id(r): r for r in rows}
+        self._window_start = time.monotonic()
+        self.finished_in_window = 0
+        """Rows finished since the window started (the decoding rate behind Retry-After)."""
+
+    def rate_window_s(self) -> float:
+        return time.monotonic() - self._window_start
+
+    def take_rate_window(self) -> tuple[int, float]:
+        """(rows finished, seconds) of the window so far, and start a new one."""
+        now = time.monotonic()
+        window = (self.finished_in_window, now - self._window_start)
+        self._window_start, self.finished_in_window = now, 0
+        return window
+
+    @property
+    def live(self) -> int:
+        return len(self._unfinished)
+
+    @property
+    def unfinished(self) -> list[RowState]:
+        return list(self._unfinished.values())
+
+    def joined(self, rows: list[RowState]) -> None:
+        self._unfinished.update((id(r), r) for r in rows)
+
+    def finished(self, rows: list[RowState]) -> None:
+        self.finished_in_window += len(rows)
+        for row in rows:
+            self._unfinished.pop(id(row), None)
 
 
 def _run_op(op: Callable[[], Any], future: concurrent.futures.Future[Any]) -> None:

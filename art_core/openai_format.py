@@ -1,9 +1,10 @@
 """OpenAI's chat completion format: the request body in, the `chat.completion` body out; pure.
 
-In: `ChatCompletionRequest` (pydantic; unknown fields ignored), checked by `check_supported` and
-turned into the chat template's messages (`request_messages`), engine `SamplingParams`
-(`sampling_params`) and a decoding constraint (`request_grammar`: `response_format` or a forced
-`tool_choice`); what is wrong with it raises `APIError` 400.
+In: `ChatCompletionRequest` (pydantic), checked by `check_supported` (with `check_fields`: a
+field this server does not implement is refused, never silently dropped) and turned into the chat
+template's messages (`request_messages`), engine `SamplingParams` (`sampling_params`) and a
+decoding constraint (`request_grammar`: `response_format` or a forced `tool_choice`); what is
+wrong with it raises `APIError` 400.
 
 Out: `build_choice` (OpenAI's choice plus our token fields `prompt_token_ids`, `token_ids`,
 `token_logprobs`, `served_model`), `build_response` around the choices, `logprobs_of` (OpenAI's
@@ -14,6 +15,7 @@ The streamed `chat.completion.chunk` framing is in `art_core.chat_stream`.
 from __future__ import annotations
 
 import functools
+import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -47,9 +49,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    """The body of `POST /v1/chat/completions`; unknown fields are ignored."""
+    """The body of `POST /v1/chat/completions`; other fields land in `model_extra`, for `check_fields`."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -67,10 +69,109 @@ class ChatCompletionRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    """vLLM's extension (send it in the openai client's `extra_body`): do not end on end-of-turn/eos,
+    so a completion has exactly max_tokens tokens unless `stop` ends it (benchmarks use it)."""
+
+
+# -- the request field policy -------------------------------------------------------------------
+
+IGNORED_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "parallel_tool_calls",
+    }
+)
+"""Accepted with any value and ignored: they change nothing this server samples or returns.
+`parallel_tool_calls` is sent by LangChain (`with_structured_output(method="function_calling")`,
+`bind_tools(parallel_tool_calls=False)`): a forced `tool_choice` always gives exactly one call,
+but with "auto" a model may still write several (this server does not cut them)."""
+
+NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "web_search_options": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "top_k": (None, 0, -1),  # vLLM's sampling extensions from here on
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+    "min_tokens": (None, 0),
+}
+"""Fields accepted only at the values that change nothing (null, 0, empty; these are what the
+openai client, LangChain, LiteLLM and LangGraph agents send unless asked otherwise). Any other
+value is a 400 naming the field: this server samples without penalties, logit biases, top-k or
+min-p, and has no legacy `functions` (use `tools`)."""
+
+
+def check_fields(req: ChatCompletionRequest) -> None:
+    """Refuse (400, `param` = the field) what the request asks for but this server does not do.
+
+    The policy, in one place:
+    - Implemented (declared on `ChatCompletionRequest`, checked there and in `check_supported`):
+      model, messages, n, temperature, top_p, max_tokens, max_completion_tokens, stop, seed,
+      logprobs, top_logprobs, tools, tool_choice, response_format, stream, stream_options and
+      vLLM's ignore_eos.
+    - Ignored, any value: `IGNORED_FIELDS` (user, metadata, store, service_tier, ...).
+    - Only at neutral values: `NEUTRAL_ONLY` (frequency_penalty=0, presence_penalty=0,
+      logit_bias={}, ...); any other value is refused.
+    - Any other field is refused: silently dropping it would sample something else than asked.
+    """
+    for name, value in (req.model_extra or {}).items():
+        if name in IGNORED_FIELDS:
+            continue
+        if name not in NEUTRAL_ONLY:
+            raise APIError(
+                400,
+                f"unrecognized request field {name!r}: this server does not implement it (and refuses "
+                "rather than ignores it); remove it from the request",
+                param=name,
+            )
+        neutral = NEUTRAL_ONLY[name]
+        if not any(type(value) is not bool and value == ok for ok in neutral):
+            accepted = " or ".join(json.dumps(ok) for ok in neutral)
+            raise APIError(
+                400,
+                f"{name}={_shown(value)} is not supported by this server: only {accepted} (no effect) "
+                "is accepted",
+                param=name,
+            )
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """A request value as the client wrote it (JSON), cut to `limit` characters."""
+    try:
+        text = json.dumps(value)
+    except RecursionError:  # nested deeper than json can write back
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_supported(req: ChatCompletionRequest) -> None:
-    """Reject (400) what this server does not implement yet."""
+    """Reject (400) what this server does not implement yet (see `check_fields` for the policy)."""
+    check_fields(req)
+    constrained = (
+        req.tool_choice not in (None, "auto", "none")
+        or (req.response_format or {}).get("type", "text") != "text"
+    )
+    if req.ignore_eos and constrained:
+        raise APIError(
+            400,
+            "ignore_eos cannot be combined with response_format or a forced tool_choice (a constrained "
+            "completion ends when its grammar does)",
+            param="ignore_eos",
+        )
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     if req.top_logprobs and not req.logprobs:
@@ -120,7 +221,7 @@ def sampling_params(
     room = max(1, max_context - prompt_len)
     requested = req.max_completion_tokens or req.max_tokens
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    eos = getattr(tokenizer, "eos_token_id", None)
+    eos = None if req.ignore_eos else getattr(tokenizer, "eos_token_id", None)
     try:
         return SamplingParams(
             n=req.n,
@@ -131,6 +232,7 @@ def sampling_params(
             stop_token_ids=() if eos is None else (int(eos),),
             seed=req.seed,
             top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+            ignore_eos=req.ignore_eos,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
@@ -246,6 +348,7 @@ __all__ = [
     "ChatMessage",
     "build_choice",
     "build_response",
+    "check_fields",
     "check_supported",
     "logprobs_content",
     "logprobs_of",

@@ -67,7 +67,8 @@ class VLLMEngine:
     """The `Engine` protocol on vLLM's AsyncLLM; see the module docstring.
 
     `model_path` is an HF folder (what `load_model(...).path` gives). `tokenizer`, when given,
-    adds its eos id to the stop ids (our tokenizers end turns on `<|im_end|>`). Building the
+    adds its eos id to the stop ids (our tokenizers end turns on `<|im_end|>`; not for a request with
+    `ignore_eos`, which vLLM gets as its own `ignore_eos`). Building the
     engine takes 20-30 s on CPU (eager), longer on GPU with CUDA graphs. Use it from a script
     with an `if __name__ == "__main__":` guard: vLLM starts its engine core in a subprocess.
     """
@@ -167,13 +168,15 @@ class VLLMEngine:
                 f"the prompt has {len(prompt)} tokens; the model's context is {self.max_context} "
                 "(with room for at least one new token): shorten the prompt"
             )
+        eos = frozenset() if params.ignore_eos else self._extra_stop
         return VLLMSamplingParams(
             n=params.n,
             temperature=params.temperature,
             top_p=params.top_p,
             max_tokens=min(params.max_tokens, room),
             stop=list(params.stop) or None,
-            stop_token_ids=sorted(set(params.stop_token_ids) | self._extra_stop) or None,
+            stop_token_ids=sorted(set(params.stop_token_ids) | eos) or None,
+            ignore_eos=params.ignore_eos,  # vLLM then also leaves out the generation config's eos ids
             seed=params.seed,
             logprobs=params.top_logprobs,  # 0 = the sampled token's logprob only
             skip_special_tokens=False,  # like TorchEngine: tool-call markers stay in the text

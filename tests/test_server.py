@@ -136,11 +136,62 @@ def test_errors_in_openai_shape(client: openai.OpenAI, server: tuple[ServerHandl
         _assert_openai_error(exc.value, 400)
     missing = httpx.post(server[0].url + "/v1/chat/completions", json={"model": "tiny@0"})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
-    unknown_fields_ok = httpx.post(
-        server[0].url + "/v1/chat/completions",
-        json={"model": "tiny@0", "messages": MESSAGES, "max_tokens": 2, "user": "x", "frequency_penalty": 0},
-    )
-    assert unknown_fields_ok.status_code == 200
+
+
+HARMLESS_FIELDS: Any = {
+    "user": "u-1",
+    "metadata": {"run": "r"},
+    "store": False,
+    "service_tier": "auto",
+    "parallel_tool_calls": False,  # LangChain's with_structured_output(method="function_calling")
+    "frequency_penalty": 0,
+    "presence_penalty": 0.0,
+    "logit_bias": {},
+    "prediction": None,
+}
+
+
+def test_fields_with_no_effect_are_accepted(client: openai.OpenAI) -> None:
+    (choice,) = chat(client, max_tokens=2, **HARMLESS_FIELDS).choices
+    assert len(extra(choice)["token_ids"]) <= 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": -1}, "presence_penalty"),
+        ({"logit_bias": {"5": 100}}, "logit_bias"),
+        ({"extra_body": {"top_k": 5}}, "top_k"),
+        ({"extra_body": {"guided_regex": "a+"}}, "guided_regex"),  # unknown: refused, not ignored
+        ({"extra_body": {"ignore_eos": True}, "response_format": {"type": "json_object"}}, "ignore_eos"),
+    ],
+)
+def test_fields_the_server_does_not_implement_are_a_400_naming_them(
+    client: openai.OpenAI, kwargs: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        chat(client, **kwargs)
+    _assert_openai_error(exc.value, 400)
+    error = exc.value.response.json()["error"]
+    assert error["param"] == param and param in error["message"]
+
+
+def test_ignore_eos_samples_exactly_max_tokens(client: openai.OpenAI, tiny_model: LoadedModel) -> None:
+    eos = tiny_model.tokenizer.eos_token_id
+    sampled: Any = {"temperature": 1.0, "seed": 476, "max_tokens": 16}  # this seed samples eos 6th
+    stopped = chat(client, **sampled)
+    early = extra(stopped.choices[0])["token_ids"]
+    assert stopped.choices[0].finish_reason == "stop" and len(early) < 16 and early[-1] == eos
+
+    full = chat(client, **sampled, extra_body={"ignore_eos": True})
+    (choice,) = full.choices
+    assert choice.finish_reason == "length" and full.usage.completion_tokens == 16
+    assert extra(choice)["token_ids"][: len(early)] == early  # the same row, sampled on past its eos
+    # Explicit stops still apply: stop at the end-of-turn text and the answer is the one that stopped.
+    eot = tiny_model.tokenizer.decode([eos])
+    cut = chat(client, **sampled, stop=[eot], extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == stopped.choices[0].message.content
 
 
 def test_engine_failure_is_a_500(client: openai.OpenAI, tiny_model: LoadedModel) -> None:

@@ -3,8 +3,8 @@
 Hypothesis sends well over 500 requests (see `EXAMPLES`) over HTTP to `create_server_app` (the
 OpenAI routes, the rollout routes and the training routes) with a registered tiny random model:
 wrong methods, content types and auth headers, invalid JSON, wrong field types, huge and negative
-numbers, bad messages, tools, tool_choice and response_format, unknown models and garbage rollout
-ids. Every answer must be below 500, and every error must be in OpenAI's JSON error shape. The
+numbers, bad messages, tools, tool_choice and response_format, ignore_eos, penalties at and off
+their neutral values, unknown fields and models, and garbage rollout ids. Every answer must be below 500, and every error must be in OpenAI's JSON error shape. The
 engine's context is capped at 64 tokens, so a request that is valid generates little.
 
 Bugs it found are pinned by the regression tests at the end of the file.
@@ -236,6 +236,13 @@ FIELDS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
         optional={"stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()}), JSON)},
     ),
     "user": st.fixed_dictionaries({"user": TEXT}),
+    "ignore_eos": st.fixed_dictionaries({"ignore_eos": mostly(st.booleans(), JSON)}),
+    "penalty": st.dictionaries(
+        st.sampled_from(["frequency_penalty", "presence_penalty", "logit_bias", "top_k", "metadata"]),
+        mostly(st.sampled_from([0, 0.0, None, {}]), JSON),
+        min_size=1,
+        max_size=2,
+    ),
 }
 """Optional request fields (some in pairs that only matter together), each with edge values."""
 FIELD_NAMES = ["model", "messages", "max_tokens", *(k for k in FIELDS if k != "max_tokens"), "tool_choice"]

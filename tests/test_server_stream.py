@@ -263,7 +263,9 @@ def test_engine_failure_mid_stream_is_an_error_event(client: openai.OpenAI, tiny
             handle.remove()
             raise ValueError("injected failure")
 
-    handle = tiny_model.model.register_forward_pre_hook(fail_on_the_fifth_forward)
+    # The output head runs once per forward, whether a step goes through transformers' forward or
+    # the engine's own decode step.
+    handle = tiny_model.model.lm_head.register_forward_pre_hook(fail_on_the_fifth_forward)
     try:
         stream = client.chat.completions.create(**request(seed=1, max_tokens=40), stream=True)
         seen = []

@@ -319,6 +319,22 @@ async def test_stops_and_limits(engine: VLLMEngine, smol: LoadedModel, prompts: 
         await engine.generate(constrained)  # not supported yet: refused, never silently ignored
 
 
+async def test_ignore_eos_runs_to_max_tokens(
+    engine: VLLMEngine, smol: LoadedModel, prompts: list[list[int]]
+) -> None:
+    eos = smol.tokenizer.eos_token_id
+    stopped = await one(engine, prompts[0], SamplingParams(temperature=0.0, max_tokens=32))
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == eos
+    limit = len(stopped.token_ids) + 8
+    full = await one(engine, prompts[0], SamplingParams(temperature=0.0, max_tokens=limit, ignore_eos=True))
+    assert full.finish_reason == "length" and len(full.token_ids) == limit
+    assert full.token_ids[: len(stopped.token_ids)] == stopped.token_ids  # greedy: its eos, then on
+    # Explicit stop ids still apply, even the eos itself.
+    explicit = SamplingParams(temperature=0.0, max_tokens=limit, ignore_eos=True, stop_token_ids=(eos,))
+    again = await one(engine, prompts[0], explicit)
+    assert again.token_ids == stopped.token_ids and again.finish_reason == "stop"
+
+
 async def test_close_fails_later_requests(engine: VLLMEngine, prompts: list[list[int]]) -> None:
     """Last in the module: closes the shared engine (teardown's close is then a no-op)."""
     running = asyncio.create_task(one(engine, prompts[2], SamplingParams(temperature=0.0, max_tokens=200)))

@@ -1,0 +1,74 @@
+"""`decode_step` against transformers' own forward: same logits, same cache, padded rows included."""
+
+from __future__ import annotations
+
+import torch
+
+from art_core.decode_step import decode_step, supports_decode_step
+from art_core.kv_cache import growing_cache
+from art_core.lora import LoRAConfig, attach_lora
+from art_core.models import LoadedModel
+
+
+def _padded_batch(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _check_steps(model: torch.nn.Module, atol: float) -> None:
+    prompts = [[5, 9, 33, 7, 81, 12], [44, 2, 19], [100, 3, 3, 60, 8, 21, 17, 9, 4]]
+    ids, mask, positions = _padded_batch(prompts)
+    caches = [growing_cache(model.config, room=8) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        last = positions[:, -1:]
+        token = torch.tensor([[11], [250], [7]])
+        for _ in range(4):
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+            last = last + 1
+            ours = decode_step(model, token, last, mask, caches[0])
+            theirs = (
+                model(
+                    input_ids=token, attention_mask=mask, position_ids=last, cache=caches[1], use_cache=True
+                )
+                .logits[:, -1]
+                .float()
+            )
+            torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
+            torch.testing.assert_close(caches[0].layers[0].keys, caches[1].layers[0].keys, atol=atol, rtol=0)
+            token = theirs.argmax(-1, keepdim=True)
+
+
+def test_qwen2_decode_step_equals_the_transformers_forward(tiny_model: LoadedModel) -> None:
+    assert supports_decode_step(tiny_model.model)
+    _check_steps(tiny_model.model.eval(), atol=1e-5)
+
+
+def test_llama_decode_step_equals_the_transformers_forward_in_bf16() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    assert supports_decode_step(model)
+    _check_steps(model, atol=1e-5)
+    _check_steps(model.to(torch.bfloat16), atol=0.1)
+
+
+def test_peft_wrapped_and_sliding_window_models_are_not_supported(tiny_model: LoadedModel) -> None:
+    import copy
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    assert not supports_decode_step(attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=2)))
+    config = Qwen2Config(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=0,
+    )  # fmt: skip
+    assert not supports_decode_step(Qwen2ForCausalLM(config))
