@@ -41,6 +41,39 @@ def supports_decode_step(model: Any) -> bool:
     return body is not None and hasattr(body, "rotary_emb") and hasattr(body, "layers")
 
 
+def fuse_projections(model: Any) -> None:
+    """Store each layer's q/k/v and gate/up weights (and biases) in one buffer, as views of it.
+
+    The modules keep working as before (their weights are now slices of the shared buffer), and
+    `decode_step` runs one matmul where it ran three (q, k, v) or two (gate, up): measured ~40%
+    and ~10% faster for SmolLM2's shapes at 32 rows. Call it on a model nothing else holds
+    references to its weights yet (the serving copy, before its merge map is built), since the
+    old weight tensors are replaced.
+    """
+    if not supports_decode_step(model):
+        return
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.art_qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        mlp.art_gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+
+
+def _fuse(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight buffer (and one bias buffer if they have biases) whose row slices become the weights."""
+    weights = [linear.weight for linear in linears]
+    fused = torch.cat([w.detach() for w in weights])
+    has_bias = all(linear.bias is not None for linear in linears)
+    bias = torch.cat([linear.bias.detach() for linear in linears]) if has_bias else None
+    start = 0
+    for linear, weight in zip(linears, weights, strict=True):
+        rows = weight.shape[0]
+        linear.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
+        if bias is not None:
+            linear.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return fused, bias
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -67,15 +100,32 @@ def decode_step(
         head_dim = attn.head_dim
         group = heads // kv_heads
         x = layer.input_layernorm(hidden)
-        query = attn.q_proj(x).view(rows, kv_heads, group, head_dim)
-        key = attn.k_proj(x).view(rows, kv_heads, 1, head_dim)
-        value = attn.v_proj(x).view(rows, kv_heads, 1, head_dim)
+        fused = getattr(attn, "art_qkv", None)
+        if fused is not None:
+            qkv = F.linear(x, *fused)
+            q_size, kv_size = heads * head_dim, kv_heads * head_dim
+            query = qkv[..., :q_size].reshape(rows, kv_heads, group, head_dim)
+            key = qkv[..., q_size : q_size + kv_size].reshape(rows, kv_heads, 1, head_dim)
+            value = qkv[..., q_size + kv_size :].reshape(rows, kv_heads, 1, head_dim)
+        else:
+            query = attn.q_proj(x).view(rows, kv_heads, group, head_dim)
+            key = attn.k_proj(x).view(rows, kv_heads, 1, head_dim)
+            value = attn.v_proj(x).view(rows, kv_heads, 1, head_dim)
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
         layer_cache: Any = cache.layers[index]
         keys, values = layer_cache.update(key, value)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=keep, scale=attn.scaling)
         hidden = hidden + attn.o_proj(out.reshape(rows, 1, heads * head_dim))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
     hidden = body.norm(hidden)
     return model.lm_head(hidden[:, -1]).float()
+
+
+def _mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+    """The layer's MLP, with gate and up in one matmul when `fuse_projections` fused them."""
+    fused = getattr(mlp, "art_gate_up", None)
+    if fused is None:
+        return mlp(x)  # type: ignore[no-any-return]
+    gate, up = F.linear(x, *fused).chunk(2, dim=-1)
+    return mlp.down_proj(mlp.act_fn(gate) * up)  # type: ignore[no-any-return]

@@ -201,6 +201,10 @@ class EngineStats:
     """Times the serving copy was (re-)merged, including at construction; 0 without one."""
     aborted: int = 0
     """Rows ended early because their request was cancelled (a closed stream, a cancelled call)."""
+    joins: int = 0
+    """Times queued rows joined a running batch (continuous batching)."""
+    joined_rows: int = 0
+    """Rows that joined a running batch rather than starting one."""
 
 
 class Engine(Protocol):
@@ -696,8 +700,15 @@ class TorchEngine:
 
         def admit(room: int) -> list[RowState]:
             joiners = self._take_joiners(room, on_serving_copy)
-            lane.joined(joiners)
-            self._stats = replace(self._stats, max_batch_rows=max(self._stats.max_batch_rows, lane.live))
+            if joiners:
+                lane.joined(joiners)
+                s = self._stats
+                self._stats = replace(
+                    s,
+                    max_batch_rows=max(s.max_batch_rows, lane.live),
+                    joins=s.joins + 1,
+                    joined_rows=s.joined_rows + len(joiners),
+                )
             return joiners
 
         def finished(done: list[RowState]) -> None:

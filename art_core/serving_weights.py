@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from art_core.decode_step import fuse_projections
+
 logger = logging.getLogger(__name__)
 
 Stamp = tuple[Any, ...]
@@ -132,6 +134,7 @@ class MergedWeights:
         self.adapter = adapter
         self.dtype = dtype
         self.model = _skeleton(base_model_of(model), dtype)
+        fuse_projections(self.model)  # before the merge map: it must point at the fused buffers
         self._structure: tuple[Any, ...] | None = None
         self._entries: dict[str, _Entry] = {}
         self.merges = 0

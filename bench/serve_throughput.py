@@ -178,7 +178,10 @@ def worker_ours(args: argparse.Namespace) -> None:
     for line in sys.stdin:  # the benchmark's commands; EOF (it died) also ends the worker
         if line.strip() == "stats":
             stats = engine.stats()
-            emit("stats", {"batches": stats.batches, "rows": stats.rows, "tokens": stats.tokens})
+            emit(
+                "stats",
+                {"batches": stats.batches, "rows": stats.rows, "tokens": stats.tokens, "joins": stats.joins},
+            )
         elif line.strip() == "stop":
             break
     asyncio.run(backend.close())
@@ -245,18 +248,23 @@ def worker_sequential(args: argparse.Namespace) -> None:
 # the driver
 
 
+def _counts(after: dict[str, int], before: dict[str, int]) -> str:
+    """ "<batches> batch(es), <joins> join(s)" between two readings of the engine's counters."""
+    return f"{after['batches'] - before['batches']} batch(es), {after['joins'] - before['joins']} join(s)"
+
+
 async def drive(
     base_url: str,
     api_key: str,
     model: str,
     args: argparse.Namespace,
     pgid: int,
-    batches: Callable[[], int] | None = None,
+    batches: Callable[[], dict[str, int]] | None = None,
 ) -> dict[str, Any]:
     """A greedy check request, one warm-up round, then `--repeats` timed rounds of all requests at once.
 
     `pgid`: the server's process group, whose CPU time is taken around each round; `batches` (ours
-    only) reads the engine's batch counter, also taken before and after each round.
+    only) reads the engine's batch and join counters, also taken before and after each round.
     """
     from openai import AsyncOpenAI
 
@@ -273,7 +281,7 @@ async def drive(
         check = await one(chats[0], CHECK_TOKENS, 0.0)
         rounds = []
         for _ in range(args.repeats + 1):
-            batches_before = batches() if batches else 0
+            batches_before = batches() if batches else {}
             cpu = group_cpu_s(pgid)
             started = time.perf_counter()
             responses = await asyncio.gather(*[one(m, args.max_tokens, args.temperature) for m in chats])
@@ -283,7 +291,7 @@ async def drive(
             prompt = [r.usage.prompt_tokens for r in responses]
             rounds.append(
                 {
-                    "batches": batches() - batches_before if batches else None,
+                    "batches": _counts(batches(), batches_before) if batches else None,
                     "s": elapsed,
                     "cpu_s": None if cpu is None or cpu_after is None else cpu_after - cpu,
                     "tokens": sum(completion),
@@ -400,11 +408,11 @@ def run_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             f"{ready['trainer_dtype']}), torch {ready['torch']}, {ready['torch_threads']} threads"
         )
 
-        def batches() -> int:
+        def batches() -> dict[str, int]:
             assert proc.stdin is not None
             proc.stdin.write("stats\n")
             proc.stdin.flush()
-            return int(read_marked(proc, "stats")["batches"])
+            return dict(read_marked(proc, "stats"))
 
         result = asyncio.run(
             drive(ready["base_url"], ready["api_key"], ready["model"], args, proc.pid, batches)
@@ -613,7 +621,10 @@ def report(
             f"{label:<30} {side['dtype']:<9} {side['threads']!s:<16} {side['tok_s']:>7.1f} {per_cpu:>9} "
             f"{per_req:>7.1f} {side['prompt_tokens']:>10.1f}  {rounds}"
         )
-    say(f"(ours: engine batches per timed round {ours['round_batches']}; warm-up round {ours['warmup_s']} s)")
+    say(
+        f"(ours: engine batches and joins of late rows per timed round {ours['round_batches']}; "
+        f"warm-up round {ours['warmup_s']} s)"
+    )
 
     def tok_s(key: str) -> float | None:
         side = sides.get(key)

@@ -72,3 +72,41 @@ def test_peft_wrapped_and_sliding_window_models_are_not_supported(tiny_model: Lo
         num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=0,
     )  # fmt: skip
     assert not supports_decode_step(Qwen2ForCausalLM(config))
+
+
+def test_fused_serving_copy_follows_the_trainers_weights(tiny_model: LoadedModel) -> None:
+    """The merged serving copy's fused q/k/v and gate/up buffers get every re-merge (no stale weights)."""
+    import copy
+
+    from art_core.serving_weights import MergedWeights
+
+    torch.manual_seed(0)
+    peft = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8), adapter_name="live").eval()
+    merged = MergedWeights(peft, "live", torch.float32)
+    layer = merged.model.model.layers[0]
+    fused_qkv, _ = layer.self_attn.art_qkv
+    assert layer.self_attn.q_proj.weight.data_ptr() == fused_qkv.data_ptr()  # the weights are views
+    with torch.no_grad():  # a "train step": the live adapter moves
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    assert merged.sync(peft) > 0
+    attn, mlp = layer.self_attn, layer.mlp
+    expected_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(attn.art_qkv[0], expected_qkv)
+    assert torch.equal(mlp.art_gate_up[0], torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    # and the fused decode step of the copy equals the peft model itself
+    ids, mask, positions = _padded_batch([[5, 9, 33, 7], [44, 2]])
+    caches = [growing_cache(peft.config, room=4) for _ in range(2)]
+    with torch.inference_mode():
+        merged.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=caches[0], use_cache=True
+        )
+        peft(input_ids=ids, attention_mask=mask, position_ids=positions, cache=caches[1], use_cache=True)
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+        token, last = torch.tensor([[3], [4]]), positions[:, -1:] + 1
+        ours = decode_step(merged.model, token, last, mask, caches[0])
+        theirs = peft(
+            input_ids=token, attention_mask=mask, position_ids=last, cache=caches[1], use_cache=True
+        )
+    torch.testing.assert_close(ours, theirs.logits[:, -1].float(), atol=1e-4, rtol=0)
