@@ -15,7 +15,8 @@ two batches, the second waiting for the whole first one: 190 tok/s over HTTP aga
 joining (bench/serve_throughput.py, 2 cores). We chose it over padded waves after measuring
 both here; transformers' own continuous-batching manager measured 0.5-0.75x a padded batch
 (/work/shared/reference/decoding.md), so the loop stays ours. A pause, an adapter operation or
-a re-merge of the serving copy stops admission so the running batch drains (no starvation).
+a re-merge of the serving copy stops admission so the running batch drains (no starvation);
+so do queued rows of the other lane (serving copy vs peft model), which share the next batch.
 
 Decode steps of the merged serving copy run `art_core.decode_step` (the model's own modules,
 without transformers' per-call machinery) when the architecture is supported (Llama, Qwen2).
@@ -688,18 +689,20 @@ class TorchEngine:
         fast = [r for r in rows if serving is not None and r.adapter == serving.adapter]
         slow = [r for r in rows if serving is None or r.adapter != serving.adapter]
         with torch.inference_mode():
-            if fast and serving is not None:
-                self._run_lane(fast, serving.model, peft=False, on_serving_copy=True)
+            if fast and serving is not None:  # no joiners while the other lane waits its turn
+                self._run_lane(fast, serving.model, peft=False, on_serving_copy=True, join=not slow)
             if slow:
                 with _modes_kept(self._model, eval_inside=True):
                     self._run_lane(slow, self._model, peft_model_of(self._model), on_serving_copy=False)
 
-    def _run_lane(self, rows: list[RowState], model: Any, peft: bool, on_serving_copy: bool) -> None:
-        """One DecodeBatch on `model`; queued rows of the same lane join it while it runs."""
+    def _run_lane(
+        self, rows: list[RowState], model: Any, peft: bool, on_serving_copy: bool, join: bool = True
+    ) -> None:
+        """One DecodeBatch on `model`; queued rows of the same lane join it while it runs (if `join`)."""
         lane = _Lane(rows)
 
         def admit(room: int) -> list[RowState]:
-            joiners = self._take_joiners(room, on_serving_copy)
+            joiners = self._take_joiners(room, on_serving_copy) if join else []
             if joiners:
                 lane.joined(joiners)
                 s = self._stats
@@ -733,24 +736,22 @@ class TorchEngine:
             self._note_rate(*lane.take_rate_window())
 
     def _take_joiners(self, room: int, on_serving_copy: bool) -> list[RowState]:
-        """Up to `room` queued rows of this lane to join a running batch; none while a pause, an
-        adapter operation or a re-merge waits for the batch to end."""
+        """Up to `room` queued rows of this lane to join a running batch. None while a pause, an
+        adapter operation or a re-merge waits for the batch to end, nor while rows of the other lane
+        wait (so a steady flow on one lane never starves the other: they share the next batch)."""
         with self._cond:
-            if self._paused or self._closed or self._ops or self._resync or not self._rows:
+            if self._paused or self._closed or self._ops or self._resync:
                 return []
+            live = [row for row in self._rows if not row.job.done]
             serving = self._serving
-            taken: list[RowState] = []
-            kept: deque[RowState] = deque()
-            while self._rows:
-                row = self._rows.popleft()
-                fits = (serving is not None and row.adapter == serving.adapter) == on_serving_copy
-                if row.job.done:
-                    continue
-                if fits and len(taken) < room:
-                    taken.append(row)
-                else:
-                    kept.append(row)
-            self._rows = kept
+            mine = [
+                r for r in live if (serving is not None and r.adapter == serving.adapter) == on_serving_copy
+            ]
+            if len(mine) < len(live):
+                self._rows = deque(live)
+                return []
+            taken = mine[:room]
+            self._rows = deque(mine[room:])
         return self._runnable(taken)
 
     def _finish(self, rows: list[RowState]) -> None:

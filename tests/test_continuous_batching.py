@@ -127,3 +127,34 @@ async def test_pause_is_not_starved_by_a_steady_flow_of_requests(tiny_model: Loa
     finally:
         stop.set()
         engine.close()
+
+
+async def test_a_steady_flow_on_the_serving_copy_does_not_starve_other_rows(tiny_model: LoadedModel) -> None:
+    """Rows of the other lane (base model, checkpoints: the peft path) get the next batch."""
+    import copy
+
+    from art_core.lora import LoRAConfig, attach_lora
+
+    torch.manual_seed(0)
+    peft = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8), adapter_name="live")
+    engine = TorchEngine(
+        peft, tiny_model.tokenizer, EngineConfig(stop_on_eos=False, serve_dtype=torch.float32)
+    )
+    assert engine.served_adapter == "live"
+    params = SamplingParams(temperature=1.0, max_tokens=30)
+    stop = asyncio.Event()
+
+    async def flow(offset: int) -> None:
+        while not stop.is_set():
+            await engine.generate(GenerationRequest(_prompt(tiny_model, 6, offset), params, "live"))
+
+    try:
+        workers = [asyncio.create_task(flow(i)) for i in range(4)]
+        await asyncio.sleep(0.3)
+        base = GenerationRequest(_prompt(tiny_model, 5, 9), SamplingParams(temperature=0.0, max_tokens=5))
+        (answer,) = await asyncio.wait_for(engine.generate(base), timeout=20)
+        assert len(answer.token_ids) == 5 and not stop.is_set()
+    finally:
+        stop.set()
+        await asyncio.gather(*workers, return_exceptions=True)
+        engine.close()
