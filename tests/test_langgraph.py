@@ -474,12 +474,16 @@ async def test_smollm2_tool_calls_and_results_are_captured(tmp_path: Path) -> No
         if [m["role"] for m in t.messages[start:]] == ["assistant", "tool", "assistant"]
     ]
     assert one_call, "SmolLM2 made no single tool call in 24 tries (its base rate is about 25%)"
-    trajectory = one_call[0]
-    call, result, answer = trajectory.messages[start:]
-    assert call["tool_calls"][0]["function"]["name"] == "get_price"
-    # The tool's answer, or LangChain's error message when the model passed wrong arguments:
-    # either way the tool result the agent saw is in the trajectory.
-    assert result["content"].startswith(("$", "no price", "Error invoking tool 'get_price'"))
-    assert not answer.get("tool_calls")
-    assert len(trajectory.turns) == 2 and not trajectory.additional_histories  # the call and the answer
-    assert all(len(t.completion_ids) == len(t.logprobs) for t in trajectory.turns)
+    for trajectory in one_call:
+        call, result, answer = trajectory.messages[start:]
+        name = call["tool_calls"][0]["function"]["name"]
+        # The tool's answer, or LangChain's error message when the model passed wrong arguments or
+        # named a tool that does not exist (sampled, so it happens): either way the tool result the
+        # agent saw is in the trajectory.
+        if name == "get_price":
+            assert result["content"].startswith(("$", "no price", "Error invoking tool 'get_price'"))
+        else:
+            assert name in result["content"] and "get_price" in result["content"], result["content"]
+        assert not answer.get("tool_calls")
+        assert len(trajectory.turns) == 2 and not trajectory.additional_histories  # the call and the answer
+        assert all(len(t.completion_ids) == len(t.logprobs) for t in trajectory.turns)
