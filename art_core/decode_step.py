@@ -95,10 +95,10 @@ def decode_step(
     cos, sin = body.rotary_emb(hidden, positions)  # [B, 1, head_dim]
     cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, head_dim]: broadcast over heads
     keep = mask.bool()[:, None, None, :]
+    head_dim = body.layers[0].self_attn.head_dim
+    group = heads // kv_heads
     for index, layer in enumerate(body.layers):
         attn = layer.self_attn
-        head_dim = attn.head_dim
-        group = heads // kv_heads
         x = layer.input_layernorm(hidden)
         fused = getattr(attn, "art_qkv", None)
         if fused is not None:

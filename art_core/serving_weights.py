@@ -27,13 +27,13 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from art_core.decode_step import fuse_projections
+from art_core.precision import cpu_has_native_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +92,7 @@ def fast_bf16(device: torch.device) -> bool:
     """Whether bf16 matmuls are native on `device`: CUDA, or a CPU with AMX-BF16 or AVX512-BF16."""
     if device.type == "cuda":
         return True
-    if device.type != "cpu":
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:  # not Linux: assume not
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return device.type == "cpu" and cpu_has_native_bf16()
 
 
 def peft_model_of(model: nn.Module) -> bool:

@@ -62,6 +62,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from topics import TOPICS  # bench/ is on sys.path when a bench script runs
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
 MODEL_NAME = "bench-serve"  # our TrainableModel's name (what our server serves)
@@ -69,12 +71,6 @@ LORA_NAME = "bench-lora"  # the adapter's name on the vLLM server
 LORA_R, LORA_ALPHA, LORA_B_STD, LORA_SEED = 16, 32, 0.04, 0
 CHECK_TOKENS = 12
 MARK = "@@serve_throughput "
-TOPICS = [
-    "the sea", "a mountain", "the city at night", "a cat", "autumn", "a robot", "coffee", "the moon",
-    "a library", "trains", "a garden", "winter", "a lighthouse", "rain", "bread", "a violin",
-    "the desert", "a river", "friendship", "a clock", "snow", "a bridge", "the forest", "a storm",
-    "a market", "chess", "a kite", "the ocean floor", "a candle", "a mirror", "stars", "a harbour",
-]  # fmt: skip
 TEMPLATES = [
     "Write a short poem about {}.",
     "Describe {} in a few sentences.",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -11,11 +10,10 @@ import torch
 from art_core import precision
 from art_core.batch import BatchTotals
 from art_core.config import TrainConfig
-from art_core.lora import LoRAConfig, attach_lora
 from art_core.models import LoadedModel
 from art_core.precision import cpu_has_native_bf16, matmul_precision, resolve_precision
-from art_core.trainer import Trainer
-from tests.test_trainer import PAD, make_batch
+from tests.test_trainer import make_batch
+from tests.test_trainer_fast_paths import make_trainer
 
 CPU = torch.device("cpu")
 
@@ -52,14 +50,7 @@ def test_the_setting_is_scoped_and_restored_even_on_error() -> None:
 
 
 def _loss_and_grads(tiny_model: LoadedModel, config: TrainConfig) -> tuple[float, torch.Tensor]:
-    torch.manual_seed(0)
-    model = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    trainer = Trainer(model, pad_id=PAD, config=config)
+    trainer = make_trainer(tiny_model, True, config, exact=False)
     batch = make_batch()
     loss = trainer.forward_backward(batch.examples, totals=BatchTotals.of(batch.examples))["loss"]
     grads = torch.cat([p.grad.flatten() for p in trainer.params])  # type: ignore[union-attr]
