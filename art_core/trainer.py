@@ -71,6 +71,15 @@ def decoder_and_head(model: PeftModel) -> tuple[nn.Module, nn.Module]:
     return decoder, head
 
 
+def _fused_adamw(params: list[nn.Parameter]) -> bool:
+    """AdamW's fused kernel (one pass over all LoRA tensors instead of ~10 ops per tensor) where torch
+    has one: float parameters on CPU or CUDA. Same update as the default implementation."""
+    return all(
+        p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        for p in params
+    )
+
+
 class Trainer:
     """Owns one LoRA adapter of `model` and its optimizer; see the module docstring."""
 
@@ -98,7 +107,11 @@ class Trainer:
         self.param_names = [name for name, _ in named]
         self.params = [param for _, param in named]
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=config.learning_rate, betas=config.adam_betas, weight_decay=config.weight_decay
+            self.params,
+            lr=config.learning_rate,
+            betas=config.adam_betas,
+            weight_decay=config.weight_decay,
+            fused=_fused_adamw(self.params),
         )
         self._decoder, self._head = decoder_and_head(model)
         self._share_prefixes = share_prefixes and not has_dropout(model)

@@ -1,8 +1,9 @@
 """The trainer's forward pass: final hidden states at chosen positions, with a shared prefix run once.
 
-Sequences of one group start with the same prompt. `hidden_states_at` runs such a common prefix once
-(batch 1, with its key/value cache), expands the cache along the batch without copying, and runs only
-each row's remaining tokens on top of it. Autograd sums the gradients that flow back into the shared
+Sequences of one group start with the same prompt. `hidden_states_at` runs such a common prefix once.
+Llama and Qwen2 bodies go through `packed_forward` (prefix and rows packed into one pass per layer);
+for other models it runs the prefix through transformers (batch 1, with its key/value cache), expands
+the cache along the batch without copying, and runs only each row's remaining tokens on top of it. Autograd sums the gradients that flow back into the shared
 prefix from every row, so values and gradients equal the unshared computation up to float rounding.
 It needs no dropout (one draw for the prefix would replace one per row) and a plain `DynamicCache`;
 otherwise every row runs in full.
@@ -26,10 +27,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicLayer
+
+from art_core.packed_forward import (
+    FUSED_FORWARD,
+    is_plain_lora,
+    packed_hidden_states,
+    supports_packed_forward,
+)
 
 MIN_SHARED_PREFIX = 4
 """Shortest common prefix (tokens) worth a separate forward pass."""
@@ -67,6 +74,8 @@ def hidden_states_at(
 ) -> tuple[Tensor, int]:
     """[N, H] final hidden states at the true entries of `positions` [B, T] (row-major order), and the
     prefix length actually shared (`prefix`, or 0 when the decoder's cache does not allow it)."""
+    if supports_packed_forward(decoder):
+        return packed_hidden_states(decoder, input_ids, attention_mask, positions, prefix), prefix
     rows, cols = positions.nonzero(as_tuple=True)
     cache_arg = cache_argument(decoder) if prefix > 0 else None
     if cache_arg is not None:
@@ -93,18 +102,6 @@ def hidden_states_at(
     return hidden[rows, cols], 0
 
 
-def _fusable(layer: nn.Module, adapter_name: str) -> bool:
-    """A plain LoRA Linear (no variant such as DoRA, no dropout, no LoRA bias) whose forward nobody
-    else has replaced."""
-    if type(layer) is not LoraLinear or adapter_name not in layer.lora_A or "forward" in vars(layer):
-        return False
-    dropout = layer.lora_dropout[adapter_name]
-    plain_dropout = isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout) and dropout.p == 0)
-    return (
-        adapter_name not in layer.lora_variant and plain_dropout and layer.lora_B[adapter_name].bias is None
-    )
-
-
 def _fused_forward(layer: Any, adapter_name: str) -> Any:
     def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if (
@@ -121,11 +118,12 @@ def _fused_forward(layer: Any, adapter_name: str) -> Any:
         lora_a = layer.lora_A[adapter_name].weight.to(x.dtype)
         lora_b = layer.lora_B[adapter_name].weight.to(x.dtype)
         down = F.linear(x, lora_a)
-        flat = result.reshape(-1, result.shape[-1])
-        scaling = layer.scaling[adapter_name]
-        out = torch.addmm(flat, down.reshape(-1, down.shape[-1]), lora_b.t(), alpha=scaling)
-        return out.view(result.shape)
+        # In place on the base output (its matmul's backward does not need it): no copy of it.
+        flat = result.view(-1, result.shape[-1])
+        flat.addmm_(down.reshape(-1, down.shape[-1]), lora_b.t(), alpha=layer.scaling[adapter_name])
+        return result
 
+    setattr(forward, FUSED_FORWARD, True)
     return forward
 
 
@@ -143,7 +141,7 @@ def training_kernels(model: nn.Module, adapter_name: str) -> Iterator[None]:
 @contextlib.contextmanager
 def fused_lora(model: nn.Module, adapter_name: str) -> Iterator[None]:
     """Within the block, `adapter_name`'s plain LoRA layers compute base + update with one addmm."""
-    layers = [module for module in model.modules() if _fusable(module, adapter_name)]
+    layers = [module for module in model.modules() if is_plain_lora(module, adapter_name)]
     for layer in layers:
         layer.forward = _fused_forward(layer, adapter_name)
     try:
