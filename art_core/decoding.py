@@ -249,7 +249,8 @@ class DecodeBatch:
             logits = logits.clone()
             for i in constrained:
                 self.rows[i].constraint.mask_(logits[i])  # type: ignore[union-attr]
-        next_ids = sample_next(logits, self.temps, self.top_ps, [r.generator for r in self.rows])
+        generators = [r.generator for r in self.rows]
+        next_ids = sample_next(logits, self.temps, self.top_ps, generators, None if constrained else logp)
         chosen = logp.gather(1, next_ids[:, None])[:, 0].tolist()
         k = max(r.params.top_logprobs for r in self.rows)
         top_vals: list[list[float]] = []

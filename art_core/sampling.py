@@ -136,13 +136,16 @@ def sample_next(
     temperatures: torch.Tensor,
     top_ps: torch.Tensor,
     generators: Sequence[torch.Generator | None],
+    logprobs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sample one token id per row of `logits` [B, V]; returns a LongTensor [B].
 
     Rows with temperature 0 take the argmax. Other rows sample from softmax(logits / T),
     restricted to their top-p nucleus, by inverse CDF on one uniform number drawn from the
     row's generator (None: torch's global generator). Every row draws its number, greedy or
-    not, so a row's random stream depends only on its own generator.
+    not, so a row's random stream depends only on its own generator. `logprobs`, the caller's
+    `log_softmax(logits)` if it has it, saves a second softmax when every sampled row is at
+    temperature 1 (its exp is that softmax).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -160,6 +163,9 @@ def sample_next(
     everyone = len(sampling) == logits.shape[0]
     rows = logits if everyone else logits[sampling]
     temps = temperatures.float() if everyone else temperatures[sampling].float()
+    if logprobs is not None and bool((temps == 1).all()):
+        probs = (logprobs if everyone else logprobs[sampling]).exp()
+        return _sample_rows(out, probs, sampling, top_ps, uniforms)
     tiny = temps < TINY_TEMPERATURE
     if bool(tiny.any()):
         # logits / T overflows to inf (softmax: NaN) for T ~ 1e-40: shift those rows by their max
@@ -167,6 +173,17 @@ def sample_next(
         rows = rows.clone()
         rows[tiny] -= rows[tiny].amax(dim=-1, keepdim=True)
     probs = torch.softmax(rows / temps[:, None], dim=-1)
+    return _sample_rows(out, probs, sampling, top_ps, uniforms)
+
+
+def _sample_rows(
+    out: torch.Tensor,
+    probs: torch.Tensor,
+    sampling: torch.Tensor,
+    top_ps: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """Fill `out`'s `sampling` rows with draws from `probs` (one row each), top-p where asked."""
     picked = inverse_cdf(probs, uniforms[sampling])
     nucleus = (top_ps[sampling] < 1).nonzero()[:, 0]
     if len(nucleus):

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from art_core.decode_step import fuse_projections
+from art_core.decode_step import fuse_projections, pack_weights
 from art_core.precision import cpu_has_native_bf16
 
 logger = logging.getLogger(__name__)
@@ -129,6 +129,7 @@ class MergedWeights:
         self.dtype = dtype
         self.model = _skeleton(base_model_of(model), dtype)
         fuse_projections(self.model)  # before the merge map: it must point at the fused buffers
+        pack_weights(self.model)
         self._structure: tuple[Any, ...] | None = None
         self._entries: dict[str, _Entry] = {}
         self.merges = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from art_core.decode_step import decode_step, supports_decode_step
@@ -42,20 +43,24 @@ def _check_steps(model: torch.nn.Module, atol: float) -> None:
             token = theirs.argmax(-1, keepdim=True)
 
 
+def _tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
 def test_qwen2_decode_step_equals_the_transformers_forward(tiny_model: LoadedModel) -> None:
     assert supports_decode_step(tiny_model.model)
     _check_steps(tiny_model.model.eval(), atol=1e-5)
 
 
 def test_llama_decode_step_equals_the_transformers_forward_in_bf16() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = _tiny_llama().eval()
     assert supports_decode_step(model)
     _check_steps(model, atol=1e-5)
     _check_steps(model.to(torch.bfloat16), atol=0.1)
@@ -110,3 +115,34 @@ def test_fused_serving_copy_follows_the_trainers_weights(tiny_model: LoadedModel
             input_ids=token, attention_mask=mask, position_ids=last, cache=caches[1], use_cache=True
         )
     torch.testing.assert_close(ours, theirs.logits[:, -1].float(), atol=1e-4, rtol=0)
+
+
+def test_packed_weights_give_the_same_logits_and_follow_weight_writes() -> None:
+    """bf16 decode steps through oneDNN-packed weights equal the plain ones, and a weight written in
+    place (a re-merge) is packed again before the next step uses it."""
+    from art_core.decode_step import PACKED_WEIGHTS, fuse_projections, pack_weights
+
+    plain, packed = (_tiny_llama().to(torch.bfloat16).eval() for _ in range(2))  # the same seed
+    fuse_projections(plain)
+    fuse_projections(packed)  # (not a deepcopy of `plain`: that would not keep the fused views)
+    if not pack_weights(packed):
+        pytest.skip("this torch has no oneDNN packed linear for bf16 on this CPU")
+    ids, mask, positions = _padded_batch([[5, 9, 33, 7, 81], [44, 2]])
+
+    def one_step(model: torch.nn.Module) -> torch.Tensor:
+        cache = growing_cache(model.config, room=4)
+        with torch.inference_mode():
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+            return decode_step(model, torch.tensor([[3], [4]]), positions[:, -1:] + 1, step_mask, cache)
+
+    before = one_step(packed)
+    torch.testing.assert_close(before, one_step(plain), atol=1e-2, rtol=0)
+    packs = getattr(packed, PACKED_WEIGHTS)
+    assert len(packs) == 4 * 4 + 1  # q/k/v, o, gate/up and down of each layer, and the head
+    with torch.no_grad():  # a re-merge writes the fused buffer in place, through a module's view
+        for model in (plain, packed):
+            model.model.layers[0].self_attn.q_proj.weight.mul_(-3.0)
+    after = one_step(packed)
+    assert (after - before).abs().max() > 0.1  # the new weight is used, not the stale packed copy
+    torch.testing.assert_close(after, one_step(plain), atol=1e-2, rtol=0)

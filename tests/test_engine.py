@@ -84,6 +84,24 @@ def test_sample_next_follows_the_distribution_and_top_p() -> None:
     assert torch.equal(kept, torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
 
 
+def test_sample_next_from_the_callers_logprobs_draws_the_same_tokens() -> None:
+    """At temperature 1 the caller's log-softmax replaces the sampler's own softmax: same draws."""
+    torch.manual_seed(5)
+    logits = torch.randn(64, 3000) * 4
+    logprobs = torch.log_softmax(logits, dim=-1)
+    for temps, top_ps in [
+        (torch.ones(64), torch.ones(64)),
+        (torch.ones(64), torch.full((64,), 0.8)),
+        (torch.tensor([0.0, 1.0] * 32), torch.ones(64)),  # greedy rows among them
+        (torch.tensor([0.5, 1.0] * 32), torch.ones(64)),  # other temperatures: the softmax path
+    ]:
+        draws = [
+            sample_next(logits, temps, top_ps, [torch.Generator().manual_seed(i) for i in range(64)], lp)
+            for lp in (None, logprobs)
+        ]
+        assert torch.equal(draws[0], draws[1])
+
+
 @pytest.mark.parametrize("scale", [0.1, 1.0, 5.0])  # flat (needs the full sort) to peaked (top-64 suffices)
 def test_nucleus_candidates_match_a_full_sort(scale: float) -> None:
     torch.manual_seed(0)
