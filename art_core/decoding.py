@@ -5,8 +5,8 @@
 under whatever grad/eval mode the caller set (the engine uses `torch.inference_mode` and eval
 mode). With a peft model it passes `adapter_names` (one per row, "__base__" for the base model)
 to every forward, so rows with different LoRA adapters share the batch. Rows with the same
-prompt and adapter (the n completions of a request, a GRPO group) are prefilled once and their
-cache rows copied. Between steps, rows that arrived meanwhile can join the running batch
+prompt prefix and adapter (a shared system prompt; the n completions of a request, a GRPO
+group) prefill that prefix once and copy its cache rows. Between steps, rows that arrived meanwhile can join the running batch
 (continuous batching): they are prefilled together and their cache is joined to the batch's
 (`art_core.kv_cache`); finished rows are reported at once and dropped from the batch once
 enough have piled up.
@@ -14,6 +14,7 @@ enough have piled up.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,8 +117,9 @@ class DecodeBatch:
         self.model, self.tokenizer, self.rows = model, tokenizer, list(rows)
         self.use_adapter_names = use_adapter_names
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_id = int(pad)
         width = max(len(r.prompt_ids) for r in rows)
-        self.input_ids = torch.full((len(rows), width), int(pad), dtype=torch.long)
+        self.input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         self.mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):
             self.input_ids[i, width - len(row.prompt_ids) :] = torch.tensor(row.prompt_ids, dtype=torch.long)
@@ -136,18 +138,25 @@ class DecodeBatch:
         """Decode steps run `decode_step` instead of transformers' forward (same modules, same math)."""
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: list[int] | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rows: list[int] | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, V] (float32, on the CPU where rows sample) of the last position, extending the cache.
 
         `rows`: the forward covers only these rows (of the mask and adapter names), e.g. a prefill.
+        `mask`: the attention mask to use instead of the batch's (with `rows`: already selected).
         """
-        if self.lean and input_ids.shape[1] == 1 and rows is None:
+        if self.lean and input_ids.shape[1] == 1 and rows is None and mask is None:
             return decode_step(self.model, input_ids.to(self.device), positions, self.mask, self.cache).cpu()
         kwargs: dict[str, Any] = {self.cache_kwarg: self.cache}
-        mask, names = self.mask, self.adapter_names
+        names = self.adapter_names
         if rows is not None:
-            mask, names = mask[torch.tensor(rows, device=self.device)], [names[i] for i in rows]
+            names = [names[i] for i in rows]
+            if mask is None:
+                mask = self.mask[torch.tensor(rows, device=self.device)]
         if self.use_adapter_names:
             kwargs["adapter_names"] = names
         # The last position as an index tensor, not `logits_to_keep=1`: the int slices the hidden
@@ -157,7 +166,7 @@ class DecodeBatch:
         keep: int | torch.Tensor = 1 if width == 1 else torch.tensor([width - 1], device=self.device)
         out = self.model(
             input_ids=input_ids.to(self.device),
-            attention_mask=mask,
+            attention_mask=self.mask if mask is None else mask,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=keep,
@@ -166,7 +175,15 @@ class DecodeBatch:
         return out.logits[:, -1, :].float().cpu()
 
     def prefill(self) -> torch.Tensor:
-        """The logits after every row's prompt; rows with the same prompt and adapter share one forward."""
+        """The logits after every row's prompt.
+
+        Rows of one adapter whose prompts start alike (a system prompt, a GRPO group's prompt)
+        prefill their common prefix once (`shared_prompt_length`); otherwise rows with the same
+        prompt and adapter share one forward.
+        """
+        shared = shared_prompt_length(self.rows)
+        if shared:
+            return self._prefill_shared(shared)
         first: dict[tuple[Any, ...], int] = {}
         slots = [first.setdefault((r.adapter, *r.prompt_ids), len(first)) for r in self.rows]
         if len(first) == len(self.rows):
@@ -177,6 +194,33 @@ class DecodeBatch:
         expand = torch.tensor(slots)
         self.cache.batch_select_indices(expand.to(self.device))
         return logits[expand]
+
+    def _prefill_shared(self, shared: int) -> torch.Tensor:
+        """Prefill the first `shared` prompt tokens (common to every row) once, copy their cache to
+        every row, then prefill each row's rest on top of it.
+
+        Each row's cache then holds [the shared prefix | left padding | its own prompt tokens]; the
+        mask hides the padding and positions continue from the prefix, so attention and rotary
+        positions are those of the row's whole prompt.
+        """
+        rows = len(self.rows)
+        prefix = torch.tensor([self.rows[0].prompt_ids[:shared]], device=self.device)
+        steps = torch.arange(shared, device=self.device)[None]
+        self.forward(prefix, steps, rows=[0], mask=torch.ones_like(prefix))
+        self.cache.batch_select_indices(torch.zeros(rows, dtype=torch.long, device=self.device))
+        own = [r.prompt_ids[shared:] for r in self.rows]
+        width = max(len(ids) for ids in own)
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        own_mask = torch.zeros((rows, width), dtype=torch.long)
+        for i, tokens in enumerate(own):
+            ids[i, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+            own_mask[i, width - len(tokens) :] = 1
+        own_mask = own_mask.to(self.device)
+        self.mask = torch.cat(
+            [torch.ones((rows, shared), dtype=torch.long, device=self.device), own_mask], dim=1
+        )
+        self.positions = shared + (own_mask.cumsum(-1) - 1).clamp(min=0)
+        return self.forward(ids, self.positions)
 
     def run(
         self,
@@ -274,6 +318,20 @@ class DecodeBatch:
         kept = keep.tolist()
         self.rows = [self.rows[i] for i in kept]
         self.adapter_names = [self.adapter_names[i] for i in kept]
+
+
+MIN_SHARED_PROMPT = 16
+"""Shortest common prompt prefix (tokens) that `DecodeBatch.prefill` runs once for all rows."""
+
+
+def shared_prompt_length(rows: list[RowState], minimum: int = MIN_SHARED_PROMPT) -> int:
+    """Leading prompt tokens common to all `rows` (at least 2, all of one adapter), leaving each
+    row at least one token of its own; 0 when that is below `minimum`."""
+    if len(rows) < 2 or len({r.adapter for r in rows}) != 1:
+        return 0
+    common = len(os.path.commonprefix([r.prompt_ids for r in rows]))
+    common = min(common, min(len(r.prompt_ids) for r in rows) - 1)
+    return common if common >= max(minimum, 1) else 0
 
 
 def _report(rows: list[RowState], finished: Callable[[list[RowState]], None] | None) -> None:

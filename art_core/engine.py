@@ -53,8 +53,11 @@ loop callback, and each row's completion as soon as it ends. Closing the stream 
 disconnects) cancels the request: its decoding rows end at their next token (finish reason
 "abort", counted in `EngineStats.aborted`). A cancelled `generate` call does the same.
 
-Left out: sharing the prefill of prompts that only share a prefix (identical prompts of one
-sub-batch are prefilled once).
+Shared prompt prefixes. Rows of one batch (or of one group of joiners) whose prompts start with
+the same tokens (a system prompt, the n completions of a request, a GRPO group) prefill that prefix
+once (`decoding.shared_prompt_length`, at least 16 tokens): SmolLM2's chat prompts share ~30 of
+~38 tokens, so a burst's prefill runs ~4x fewer tokens. Left out: reusing a prefix across batches
+(a prefix cache).
 """
 
 from __future__ import annotations

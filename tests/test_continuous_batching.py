@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import torch
 
-from art_core.decoding import DecodeBatch, RowState
+from art_core.decoding import DecodeBatch, RowState, shared_prompt_length
 from art_core.engine import EngineConfig, GenerationRequest, TorchEngine
 from art_core.kv_cache import growing_cache, join_caches
 from art_core.models import LoadedModel
@@ -31,6 +32,39 @@ def _alone(tiny_model: LoadedModel, prompt: list[int], params: SamplingParams = 
     with torch.inference_mode():
         DecodeBatch(tiny_model.model, tiny_model.tokenizer, [row], use_adapter_names=False).run(0.25)
     return row
+
+
+def test_rows_sharing_a_prompt_prefix_prefill_it_once_and_decode_as_alone(tiny_model: LoadedModel) -> None:
+    prefix = _prompt(tiny_model, 20, 9)
+    first = [_row(prefix + _prompt(tiny_model, n, n)) for n in (3, 11, 1)]  # own parts of 3 lengths
+    later = {2: [_row(prefix + _prompt(tiny_model, 5, 6)), _row(prefix + [42])]}  # joiners share it too
+    assert shared_prompt_length(first) == 20 and shared_prompt_length(later[2]) == 20
+    assert shared_prompt_length([first[0], _row(_prompt(tiny_model, 30))]) == 0  # nothing in common
+    calls, finished, prefills = [0], [], []
+    forward = DecodeBatch.forward
+
+    def counting(
+        batch: DecodeBatch, input_ids: torch.Tensor, *args: object, **kwargs: object
+    ) -> torch.Tensor:
+        if input_ids.shape[1] > 1:
+            prefills.append(tuple(input_ids.shape))
+        return forward(batch, input_ids, *args, **kwargs)  # type: ignore[arg-type]
+
+    def admit(room: int) -> list[RowState]:
+        calls[0] += 1
+        return later.pop(calls[0], [])
+
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecodeBatch, "forward", counting)
+        batch = DecodeBatch(tiny_model.model, tiny_model.tokenizer, first, use_adapter_names=False)
+        batch.run(0.25, admit=admit, finished=finished.extend, max_rows=8)
+    # the prefix once per prefill (batch 1), then each row's own tokens only
+    assert prefills == [(1, 20), (3, 11), (1, 20), (2, 5)]
+    assert len(finished) == 5
+    for row in finished:
+        solo = _alone(tiny_model, row.prompt_ids)
+        assert row.token_ids == solo.token_ids, "a row sharing its prefix sampled other tokens than alone"
+        assert torch.allclose(torch.tensor(row.logprobs), torch.tensor(solo.logprobs), atol=1e-4)
 
 
 def test_rows_joining_shorter_and_longer_caches_decode_as_alone(tiny_model: LoadedModel) -> None:
