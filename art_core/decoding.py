@@ -177,50 +177,58 @@ class DecodeBatch:
     def prefill(self) -> torch.Tensor:
         """The logits after every row's prompt.
 
-        Rows of one adapter whose prompts start alike (a system prompt, a GRPO group's prompt)
-        prefill their common prefix once (`shared_prompt_length`); otherwise rows with the same
-        prompt and adapter share one forward.
+        Rows with the same prompt and adapter (the n completions of a request, a GRPO group) share
+        one forward and copy its cache rows. The distinct prompts, when they start alike (a system
+        prompt; all of one adapter), prefill their common prefix once (`shared_prompt_length`).
         """
-        shared = shared_prompt_length(self.rows)
-        if shared:
-            return self._prefill_shared(shared)
         first: dict[tuple[Any, ...], int] = {}
         slots = [first.setdefault((r.adapter, *r.prompt_ids), len(first)) for r in self.rows]
-        if len(first) == len(self.rows):
-            return self.forward(self.input_ids, self.positions)
         owners = [slots.index(slot) for slot in range(len(first))]
-        picked = torch.tensor(owners, device=self.device)
-        logits = self.forward(self.input_ids[picked], self.positions[picked], rows=owners)
+        shared = shared_prompt_length([self.rows[i] for i in owners])
+        if shared:
+            logits = self._prefill_shared(shared, owners)
+        elif len(owners) == len(self.rows):
+            return self.forward(self.input_ids, self.positions)
+        else:
+            picked = torch.tensor(owners, device=self.device)
+            logits = self.forward(self.input_ids[picked], self.positions[picked], rows=owners)
+        if len(owners) == len(self.rows):
+            return logits
         expand = torch.tensor(slots)
         self.cache.batch_select_indices(expand.to(self.device))
+        if shared:  # the mask and positions were made for the owners' rows only
+            self.mask, self.positions = (
+                self.mask[expand.to(self.device)],
+                self.positions[expand.to(self.device)],
+            )
         return logits[expand]
 
-    def _prefill_shared(self, shared: int) -> torch.Tensor:
-        """Prefill the first `shared` prompt tokens (common to every row) once, copy their cache to
-        every row, then prefill each row's rest on top of it.
+    def _prefill_shared(self, shared: int, owners: list[int]) -> torch.Tensor:
+        """Logits [len(owners), V] of rows `owners`, whose first `shared` prompt tokens are the same:
+        prefill that prefix once, copy its cache to every owner, then prefill each owner's rest on
+        top of it. The batch's mask and positions become the owners' (the caller expands them).
 
         Each row's cache then holds [the shared prefix | left padding | its own prompt tokens]; the
         mask hides the padding and positions continue from the prefix, so attention and rotary
         positions are those of the row's whole prompt.
         """
-        rows = len(self.rows)
-        prefix = torch.tensor([self.rows[0].prompt_ids[:shared]], device=self.device)
+        rows = [self.rows[i] for i in owners]
+        prefix = torch.tensor([rows[0].prompt_ids[:shared]], device=self.device)
         steps = torch.arange(shared, device=self.device)[None]
-        self.forward(prefix, steps, rows=[0], mask=torch.ones_like(prefix))
-        self.cache.batch_select_indices(torch.zeros(rows, dtype=torch.long, device=self.device))
-        own = [r.prompt_ids[shared:] for r in self.rows]
+        self.forward(prefix, steps, rows=owners[:1], mask=torch.ones_like(prefix))
+        self.cache.batch_select_indices(torch.zeros(len(rows), dtype=torch.long, device=self.device))
+        own = [r.prompt_ids[shared:] for r in rows]
         width = max(len(ids) for ids in own)
-        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        own_mask = torch.zeros((rows, width), dtype=torch.long)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        own_mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, tokens in enumerate(own):
             ids[i, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
             own_mask[i, width - len(tokens) :] = 1
         own_mask = own_mask.to(self.device)
-        self.mask = torch.cat(
-            [torch.ones((rows, shared), dtype=torch.long, device=self.device), own_mask], dim=1
-        )
+        prefix_mask = torch.ones((len(rows), shared), dtype=torch.long, device=self.device)
+        self.mask = torch.cat([prefix_mask, own_mask], dim=1)
         self.positions = shared + (own_mask.cumsum(-1) - 1).clamp(min=0)
-        return self.forward(ids, self.positions)
+        return self.forward(ids, self.positions, rows=owners, mask=self.mask)
 
     def run(
         self,

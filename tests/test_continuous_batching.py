@@ -36,7 +36,7 @@ def _alone(tiny_model: LoadedModel, prompt: list[int], params: SamplingParams = 
 
 def test_rows_sharing_a_prompt_prefix_prefill_it_once_and_decode_as_alone(tiny_model: LoadedModel) -> None:
     prefix = _prompt(tiny_model, 20, 9)
-    first = [_row(prefix + _prompt(tiny_model, n, n)) for n in (3, 11, 1)]  # own parts of 3 lengths
+    first = [_row(prefix + _prompt(tiny_model, n, n)) for n in (3, 11, 1, 11)]  # 3 lengths; a duplicate
     later = {2: [_row(prefix + _prompt(tiny_model, 5, 6)), _row(prefix + [42])]}  # joiners share it too
     assert shared_prompt_length(first) == 20 and shared_prompt_length(later[2]) == 20
     assert shared_prompt_length([first[0], _row(_prompt(tiny_model, 30))]) == 0  # nothing in common
@@ -58,9 +58,9 @@ def test_rows_sharing_a_prompt_prefix_prefill_it_once_and_decode_as_alone(tiny_m
         patch.setattr(DecodeBatch, "forward", counting)
         batch = DecodeBatch(tiny_model.model, tiny_model.tokenizer, first, use_adapter_names=False)
         batch.run(0.25, admit=admit, finished=finished.extend, max_rows=8)
-    # the prefix once per prefill (batch 1), then each row's own tokens only
+    # the prefix once per prefill (batch 1), then each distinct prompt's own tokens only
     assert prefills == [(1, 20), (3, 11), (1, 20), (2, 5)]
-    assert len(finished) == 5
+    assert len(finished) == 6
     for row in finished:
         solo = _alone(tiny_model, row.prompt_ids)
         assert row.token_ids == solo.token_ids, "a row sharing its prefix sampled other tokens than alone"
