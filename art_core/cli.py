@@ -74,8 +74,13 @@ def demo(
         f"{summary.last_reward:.2f} (last {min(5, summary.steps)}) in {summary.steps} steps, "
         f"{summary.seconds:.0f} s. Curve: {plot}; checkpoints: {path / 'demo' / 'models' / name}"
     )
+    if summary.start_step:
+        console.print(
+            f"[yellow]{name} resumed at step {summary.start_step}[/yellow] (its earlier run trained it); "
+            "for a fresh run pass another --name or delete that folder."
+        )
     if as_json:
-        fields = {k: v for k, v in asdict(summary).items() if k != "rewards"}
+        fields = {k: v for k, v in asdict(summary).items() if k not in ("rewards", "start_step")}
         print(json.dumps(fields))
 
 

@@ -98,6 +98,8 @@ class DemoSummary:
     steps: int
     seconds: float
     rewards: list[float]
+    start_step: int = 0
+    """The step the model was at before this run (> 0: it resumed an existing model)."""
 
 
 StepCallback = Callable[[int, float, float], None]
@@ -112,6 +114,7 @@ async def run_demo(config: DemoConfig, on_step: StepCallback | None = None) -> D
     )
     backend = LocalBackend(config.path)
     rewards: list[float] = []
+    start_step = 0
     try:
         await model.register(backend)
         train_config = TrainConfig(learning_rate=config.learning_rate)
@@ -147,4 +150,5 @@ async def run_demo(config: DemoConfig, on_step: StepCallback | None = None) -> D
         steps=len(rewards),
         seconds=time.perf_counter() - started,
         rewards=rewards,
+        start_step=start_step,
     )

@@ -85,7 +85,8 @@ def test_langgraph_agent_json_summary_is_the_last_line(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     demo_fields = {f.name for f in dataclasses.fields(DemoSummary)} - {
-        "rewards"
+        "rewards",
+        "start_step",
     }  # what `art demo --json` prints
     assert set(summary) == demo_fields and summary["steps"] == 1
 
