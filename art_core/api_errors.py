@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse as _PlainJSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from art_core.engine import (
+from art_core.engine_errors import (
     ContextLengthError,
     EngineClosedError,
     EngineOverloadedError,

@@ -13,7 +13,8 @@ from typing import Any
 
 from art_core.api_errors import APIError, engine_call
 from art_core.chat_template import render_prompt
-from art_core.engine import Completion, GenerationRequest
+from art_core.decoding import Completion
+from art_core.engine_config import GenerationRequest
 from art_core.model_router import ModelRouter, ServedModel, UnknownModelError
 from art_core.openai_format import (
     ChatCompletionRequest,

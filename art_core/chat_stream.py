@@ -34,7 +34,7 @@ from starlette.background import BackgroundTask
 
 from art_core.api_errors import engine_call, engine_error
 from art_core.chat_completion import PreparedChat, chat_choice, prepare_chat
-from art_core.engine import GenerationRequest
+from art_core.engine_config import GenerationRequest
 from art_core.model_router import ModelRouter, ServedModel
 from art_core.openai_format import ChatCompletionRequest, build_response, logprobs_of
 from art_core.sampling import find_stop

@@ -178,7 +178,7 @@ def serve(
         raise typer.Exit(2)
     import uvicorn
 
-    from art_core.engine import EngineConfig
+    from art_core.engine_config import EngineConfig
     from art_core.middleware import MAX_CONCURRENT_REQUESTS
     from art_core.server import KEEP_ALIVE_S
     from art_core.service import ModelService

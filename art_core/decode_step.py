@@ -118,12 +118,10 @@ def decode_step(
         layer_cache: Any = cache.layers[index]
         keys, values = layer_cache.update(key, value)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=keep, scale=attn.scaling)
-        o_proj = attn.o_proj
-        hidden = hidden + _linear(out.reshape(rows, 1, heads * head_dim), o_proj.weight, o_proj.bias, packs)
+        hidden = hidden + _apply(attn.o_proj, out.reshape(rows, 1, heads * head_dim), packs)
         hidden = hidden + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden), packs)
     hidden = _norm(body.norm, hidden)
-    head = model.lm_head
-    return _linear(hidden[:, -1], head.weight, head.bias, packs).float()
+    return _apply(model.lm_head, hidden[:, -1], packs).float()
 
 
 def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
@@ -145,8 +143,7 @@ def _mlp(mlp: Any, x: torch.Tensor, packs: dict[int, _Packed] | None) -> torch.T
     if fused is None:
         return mlp(x)  # type: ignore[no-any-return]
     gate, up = _linear(x, fused[0], fused[1], packs).chunk(2, dim=-1)
-    down = mlp.down_proj
-    return _linear(mlp.act_fn(gate) * up, down.weight, down.bias, packs)
+    return _apply(mlp.down_proj, mlp.act_fn(gate) * up, packs)
 
 
 PACKED_WEIGHTS = "art_packed_weights"
@@ -185,6 +182,14 @@ def pack_weights(model: Any) -> bool:
     if usable:
         setattr(model, PACKED_WEIGHTS, {})
     return usable
+
+
+def _apply(linear: Any, x: torch.Tensor, packs: dict[int, _Packed] | None) -> torch.Tensor:
+    """A linear module on `x`: through its packed weight when `packs` holds them, else the module
+    itself (its hooks included)."""
+    if packs is None:
+        return linear(x)  # type: ignore[no-any-return]
+    return _linear(x, linear.weight, linear.bias, packs)
 
 
 def _linear(

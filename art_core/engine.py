@@ -21,13 +21,10 @@ so do queued rows of the other lane (serving copy vs peft model), which share th
 Decode steps of the merged serving copy run `art_core.decode_step` (the model's own modules,
 without transformers' per-call machinery) when the architecture is supported (Llama, Qwen2).
 
-Admission control. `generate` counts a request's n rows from admission until it returns
-(queued, decoding, or waiting while the engine is paused for training). A request that would
-take the count past `EngineConfig.max_queued_rows` is refused at once with
-`EngineOverloadedError`, carrying `retry_after_s`: the time the rows beyond capacity need to
-finish at the recent decoding rate (rows per second of batch time, an exponential average),
-clamped to 1-60 s (1 s before the first batch). So a flood gets fast refusals (HTTP 429), never
-an unbounded wait or queue.
+Admission control (`art_core.admission`). A request that would put more than
+`EngineConfig.max_queued_rows` rows in the engine (queued, decoding, or waiting out a pause) is
+refused at once with `EngineOverloadedError` and a Retry-After estimated from the recent decoding
+rate (HTTP 429), never an unbounded wait or queue.
 
 Serving weights. Rows for the served adapter (by default the peft model's active adapter when
 the engine starts: the trainer's "live" adapter in the service) decode on a `MergedWeights`
@@ -58,6 +55,11 @@ the same tokens (a system prompt, the n completions of a request, a GRPO group) 
 once (`decoding.shared_prompt_length`, at least 16 tokens): SmolLM2's chat prompts share ~30 of
 ~38 tokens, so a burst's prefill runs ~4x fewer tokens. Left out: reusing a prefix across batches
 (a prefix cache).
+
+The engine's records (`GenerationRequest`, `EngineConfig`, `EngineStats`) live in
+`art_core.engine_config`, the `Engine` protocol in `art_core.engine_protocol` and its errors in
+`art_core.engine_errors`; all are re-exported here, so `from art_core.engine import ...` keeps
+working.
 """
 
 from __future__ import annotations
@@ -65,7 +67,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -73,154 +74,42 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
+from art_core.admission import Admission, RateWindow
 from art_core.decoding import BASE_ADAPTER, Completion, DecodeBatch, RowState
-from art_core.grammar import Grammar, RowConstraint
-from art_core.sampling import SamplingParams, row_seed
+from art_core.engine_config import EngineConfig, EngineStats, GenerationRequest
+from art_core.engine_errors import (
+    ContextLengthError,
+    EngineClosedError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    UnknownAdapterError,
+)
+from art_core.engine_protocol import Engine
+from art_core.grammar import RowConstraint
+from art_core.sampling import row_seed
 from art_core.serving_weights import UnsupportedAdapterError, peft_model_of, serving_copy
 from art_core.streaming import DeltaChannel, TokenStream
 
+__all__ = [  # the names moved out of this module stay importable from it
+    "Completion",
+    "ContextLengthError",
+    "Engine",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineOverloadedError",
+    "EngineStats",
+    "GenerationRequest",
+    "InvalidRequestError",
+    "TorchEngine",
+    "UnknownAdapterError",
+]
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine rejects before queueing it (the caller's fault: HTTP 400)."""
-
-
-class ContextLengthError(InvalidRequestError):
-    """The prompt does not fit in the model's context window (with room for one new token)."""
-
-
-class UnknownAdapterError(KeyError):
-    """A request named an adapter the engine has not loaded."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "unknown adapter"
-
-
-class EngineClosedError(RuntimeError):
-    """The engine was closed (or its worker died); it serves no more requests."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """Admitting the request would put more than `EngineConfig.max_queued_rows` rows in the engine.
-
-    Nothing was queued; send it again after `retry_after_s` seconds (the server answers HTTP 429
-    with a `Retry-After` header), send fewer requests at once, or raise `max_queued_rows`.
-    """
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        """Whole seconds after which the rows ahead should have made room (see `TorchEngine`)."""
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One prompt to complete `params.n` times."""
-
-    prompt_ids: list[int]
-    """The rendered prompt's token ids."""
-    params: SamplingParams
-    """How to sample."""
-    adapter: str | None = None
-    """The peft adapter name to sample with; None = the base model."""
-    grammar: Grammar | None = None
-    """Constrained decoding (JSON schema, forced tool call); None = free text."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How the engine batches."""
-
-    max_batch_size: int = 32
-    """Most rows (completions) decoded together; a request's n rows may span batches."""
-    max_queued_rows: int = 2048
-    """Admission control: most rows (a request counts its n) in the engine at once, queued or
-    decoding, including those waiting while the engine is paused for training. A request that
-    would go past it fails at once with `EngineOverloadedError` (HTTP 429 + Retry-After) instead
-    of waiting without bound; one whose n alone is larger is an `InvalidRequestError` (400). 2048
-    is 4x what 64 concurrent rollouts with n=8 hold; a queued row costs little memory (its
-    sampler state; the prompt ids are shared by the request's rows)."""
-    max_context: int | None = None
-    """Prompt + completion token limit; None = the model config's `max_position_embeddings`."""
-    stop_on_eos: bool = True
-    """Also end rows on the model's eos ids (generation config and tokenizer), not only on stop_token_ids."""
-    prune_fraction: float = 0.25
-    """Drop finished rows from the running batch (a KV-cache copy) once they are this fraction of it."""
-    batch_wait_s: float = 0.005
-    """How long a batch waits, once a request arrived, for more to join it (HTTP bursts arrive spread out)."""
-    merged_serving: bool = True
-    """Decode the served adapter's rows on a copy of the weights with that adapter merged in (fast);
-    False runs every row through the model as given (peft's per-row adapter path: slow, no extra memory)."""
-    serve_adapter: str | None = None
-    """The adapter merged into the serving copy: None = the peft model's active adapter when the engine
-    starts (the trainer's), "__base__" = the base model (also what a plain model serves)."""
-    serve_dtype: torch.dtype | str = "auto"
-    """dtype of the serving copy. "auto": bfloat16 for a peft model where the hardware has fast bf16
-    (CUDA, or a CPU with AMX or AVX512-BF16), else the model's dtype; a plain model is then served as
-    it is (no copy). A dtype: always that one (a plain model in another dtype gets a cast copy). bf16
-    logprobs differ from the fp32 trainer's (SmolLM2: ~0.03 nats on average, up to ~0.15), a mismatch
-    the trainer's truncated importance sampling corrects; float32 reproduces peft's logprobs to ~1e-5."""
-
-    def __post_init__(self) -> None:
-        if self.serve_dtype != "auto" and not (
-            isinstance(self.serve_dtype, torch.dtype) and self.serve_dtype.is_floating_point
-        ):
-            raise ValueError(
-                f"serve_dtype must be 'auto' or a floating-point torch dtype such as torch.bfloat16, "
-                f"got {self.serve_dtype!r}"
-            )
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_queued_rows < 1:
-            raise ValueError(f"max_queued_rows must be >= 1, got {self.max_queued_rows}")
-        if self.max_context is not None and self.max_context < 2:
-            raise ValueError(
-                f"max_context must be >= 2 (a prompt token and a new one), got {self.max_context}"
-            )
-        if not 0 <= self.batch_wait_s <= 1:
-            raise ValueError(f"batch_wait_s must be between 0 and 1 second, got {self.batch_wait_s}")
-        if not 0 < self.prune_fraction <= 1:
-            raise ValueError(f"prune_fraction must be in (0, 1], got {self.prune_fraction}")
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Counters since the engine started."""
-
-    batches: int
-    """Batches decoded."""
-    rows: int
-    """Completions decoded."""
-    tokens: int
-    """Tokens sampled."""
-    max_batch_rows: int
-    """Largest batch so far, in rows."""
-    merges: int = 0
-    """Times the serving copy was (re-)merged, including at construction; 0 without one."""
-    aborted: int = 0
-    """Rows ended early because their request was cancelled (a closed stream, a cancelled call)."""
-    joins: int = 0
-    """Times queued rows joined a running batch (continuous batching)."""
-    joined_rows: int = 0
-    """Rows that joined a running batch rather than starting one."""
-
-
-class Engine(Protocol):
-    """What the server and the trainer need from an inference engine."""
-
-    async def generate(self, request: GenerationRequest) -> list[Completion]: ...
-    def add_adapter(self, name: str, path: Path) -> None: ...
-    def remove_adapter(self, name: str) -> None: ...
-    def adapters(self) -> list[str]: ...
-    def pause(self) -> None: ...
-    def resume(self) -> None: ...
-    def close(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -296,7 +185,8 @@ class TorchEngine:
     layers into the model's modules in place.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
         self._model = model
         self._tokenizer = tokenizer
         self.config = config
@@ -312,8 +202,7 @@ class TorchEngine:
         self._death: BaseException | None = None
         self._added: set[str] = set()
         self._stats = EngineStats(0, 0, 0, 0)
-        self._admitted = 0  # rows of requests whose generate() has not returned (admission control)
-        self._row_rate = 0.0  # recent rows finished per second of decoding (for Retry-After)
+        self._admission = Admission(config.max_queued_rows)  # counted and released holding _cond
         self._serving = (
             serving_copy(model, config.serve_adapter, config.serve_dtype) if config.merged_serving else None
         )
@@ -365,7 +254,7 @@ class TorchEngine:
                 raise
         finally:
             with self._cond:
-                self._admitted -= n
+                self._admission.release(n)
 
     def generate_stream(self, request: GenerationRequest) -> TokenStream:
         """`generate`, streamed: each row's tokens as they are sampled (see `art_core.streaming`).
@@ -385,7 +274,7 @@ class TorchEngine:
         def cancel() -> None:  # once (TokenStream.close): the stream ended, or its consumer left early
             job.done = True  # queued rows are skipped, decoding rows end at their next token
             with self._cond:
-                self._admitted -= n
+                self._admission.release(n)
 
         max_new = min(request.params.max_tokens, self.max_context - len(request.prompt_ids))
         try:
@@ -406,37 +295,14 @@ class TorchEngine:
     def pending_rows(self) -> int:
         """Rows admitted and not yet answered: queued, decoding, or waiting out a pause."""
         with self._cond:
-            return self._admitted
+            return self._admission.rows
 
     def _admit(self, n: int) -> None:
         """Count `n` rows against `max_queued_rows`; EngineOverloadedError if they do not fit."""
         with self._cond:
             if self._closed:
                 raise EngineClosedError("the engine is closed") from self._death
-            capacity = self.config.max_queued_rows
-            if self._admitted + n > capacity:
-                raise EngineOverloadedError(
-                    f"the engine is full: {self._admitted} rows (completions) are queued or decoding, "
-                    f"this request adds {n} and EngineConfig.max_queued_rows is {capacity}; retry after "
-                    "Retry-After seconds, send fewer requests at once, or raise max_queued_rows",
-                    retry_after_s=self._retry_after(self._admitted + n - capacity),
-                )
-            self._admitted += n
-
-    def _retry_after(self, excess_rows: int) -> int:
-        """Seconds until `excess_rows` more rows have finished at the recent decoding rate, in [1, 60].
-
-        1 s before any batch was timed. The rate is that of decoding: a pause for training is not
-        foreseen, and a client told to retry during one may be told again.
-        """
-        if self._row_rate <= 0:
-            return 1
-        return max(1, min(60, math.ceil(excess_rows / self._row_rate)))
-
-    def _note_rate(self, rows: int, seconds: float) -> None:
-        """Fold one batch's rows per second into the running rate (exponential average)."""
-        rate = rows / max(seconds, 1e-3)
-        self._row_rate = rate if self._row_rate <= 0 else 0.7 * self._row_rate + 0.3 * rate
+            self._admission.admit(n)
 
     def _check_request(self, request: GenerationRequest) -> None:
         if request.params.n > self.config.max_queued_rows:
@@ -720,8 +586,8 @@ class TorchEngine:
         def finished(done: list[RowState]) -> None:
             lane.finished(done)
             self._finish(done)
-            if lane.rate_window_s() >= 1.0:
-                self._note_rate(*lane.take_rate_window())
+            if lane.rate.seconds() >= 1.0:
+                self._admission.note_rate(*lane.rate.take())
 
         self._stats = replace(self._stats, max_batch_rows=max(self._stats.max_batch_rows, lane.live))
         try:
@@ -735,8 +601,8 @@ class TorchEngine:
             logger.exception("engine batch of %d rows failed", len(lane.unfinished))
             for row in lane.unfinished:
                 row.job.resolve(exc)
-        if lane.rate_window_s() > 0 and lane.finished_in_window:
-            self._note_rate(*lane.take_rate_window())
+        if lane.rate.seconds() > 0 and lane.rate.finished:
+            self._admission.note_rate(*lane.rate.take())
 
     def _take_joiners(self, room: int, on_serving_copy: bool) -> list[RowState]:
         """Up to `room` queued rows of this lane to join a running batch. None while a pause, an
@@ -779,19 +645,8 @@ class _Lane:
 
     def __init__(self, rows: list[RowState]) -> None:
         self._unfinished = {id(r): r for r in rows}
-        self._window_start = time.monotonic()
-        self.finished_in_window = 0
-        """Rows finished since the window started (the decoding rate behind Retry-After)."""
-
-    def rate_window_s(self) -> float:
-        return time.monotonic() - self._window_start
-
-    def take_rate_window(self) -> tuple[int, float]:
-        """(rows finished, seconds) of the window so far, and start a new one."""
-        now = time.monotonic()
-        window = (self.finished_in_window, now - self._window_start)
-        self._window_start, self.finished_in_window = now, 0
-        return window
+        self.rate = RateWindow()
+        """Rows finished over decoding time (the rate behind Retry-After, `art_core.admission`)."""
 
     @property
     def live(self) -> int:
@@ -805,7 +660,7 @@ class _Lane:
         self._unfinished.update((id(r), r) for r in rows)
 
     def finished(self, rows: list[RowState]) -> None:
-        self.finished_in_window += len(rows)
+        self.rate.count(len(rows))
         for row in rows:
             self._unfinished.pop(id(row), None)
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from art_core.engine import Engine
+from art_core.engine_protocol import Engine
 
 
 class UnknownModelError(KeyError):

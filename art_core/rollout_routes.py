@@ -58,6 +58,16 @@ async def recorded_completion(
     return JSONResponse(response)
 
 
+def records_response(body: RolloutRecords) -> JSONResponse:
+    """The records as JSON. Requests are recorded as sent, lone surrogates (a client's unpaired
+    `\\ud800` escapes) included; pydantic's JSON mode refuses those inside tool schemas, so such
+    records are dumped as Python values and `JSONResponse` writes the surrogates as escapes."""
+    try:
+        return JSONResponse(body.model_dump(mode="json"))
+    except UnicodeEncodeError:
+        return JSONResponse(body.model_dump(mode="python"))
+
+
 def install_rollout_routes(app: FastAPI, router: ModelRouter, recorder: RolloutRecorder) -> None:
     """`/rollouts/{id}/v1/...` (an OpenAI base URL that records), plus reading and freeing records."""
 
@@ -74,14 +84,12 @@ def install_rollout_routes(app: FastAPI, router: ModelRouter, recorder: RolloutR
     @app.get("/rollouts/{rollout_id}/records")
     async def rollout_records(rollout_id: str) -> JSONResponse:
         checked = checked_rollout_id(rollout_id, "path") or rollout_id
-        body = RolloutRecords(rollout_id=checked, records=recorder.peek(checked))
-        return JSONResponse(body.model_dump(mode="json"))
+        return records_response(RolloutRecords(rollout_id=checked, records=recorder.peek(checked)))
 
     @app.delete("/rollouts/{rollout_id}")
     async def forget_rollout(rollout_id: str) -> JSONResponse:
         checked = checked_rollout_id(rollout_id, "path") or rollout_id
-        body = RolloutRecords(rollout_id=checked, records=recorder.pop(checked))
-        return JSONResponse(body.model_dump(mode="json"))
+        return records_response(RolloutRecords(rollout_id=checked, records=recorder.pop(checked)))
 
 
 __all__ = ["checked_rollout_id", "install_rollout_routes", "recorded_completion"]

@@ -31,7 +31,10 @@ from art_core.backends.base import ModelSpec, ProgressCallback, TrainResult
 from art_core.batch import prepare_batch
 from art_core.checkpoints import ModelStorage, validate_name
 from art_core.config import TrainConfig
-from art_core.engine import Engine, EngineConfig, TorchEngine, UnknownAdapterError
+from art_core.engine import TorchEngine
+from art_core.engine_config import EngineConfig
+from art_core.engine_errors import UnknownAdapterError
+from art_core.engine_protocol import Engine
 from art_core.lora import LoRAConfig, attach_lora
 from art_core.model_router import ServedModel, UnknownModelError
 from art_core.models import LoadedModel, load_model

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from art_core.decoding import Completion, RowState
 
 if TYPE_CHECKING:
-    from art_core.engine import Engine, GenerationRequest
+    from art_core.engine_config import GenerationRequest
+    from art_core.engine_protocol import Engine
 
 
 @dataclass(frozen=True)

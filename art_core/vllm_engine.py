@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from art_core.decoding import BASE_ADAPTER, Completion
-from art_core.engine import (
+from art_core.engine_config import GenerationRequest
+from art_core.engine_errors import (
     ContextLengthError,
     EngineClosedError,
-    GenerationRequest,
     InvalidRequestError,
     UnknownAdapterError,
 )

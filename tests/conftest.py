@@ -20,6 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
+from art_core.model import TrainableModel  # noqa: E402
 from art_core.models import LoadedModel, load_model, load_tokenizer  # noqa: E402
 
 
@@ -39,3 +40,9 @@ def smollm2() -> LoadedModel:
 def smollm2_tokenizer() -> PreTrainedTokenizerBase:
     """SmolLM2's tokenizer with our tool template; read straight from the GGUF when not yet converted."""
     return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture
+def model(served: tuple[object, TrainableModel]) -> TrainableModel:
+    """The trained model of the module's `served` fixture (`tests/helpers_serving.served_fixture`)."""
+    return served[1]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,6 @@ import httpx
 import litellm
 import openai
 import pytest
-import pytest_asyncio
 
 from art_core.backends import LocalBackend
 from art_core.capture import (
@@ -35,25 +33,13 @@ from integrations import NothingCapturedError, current_scope, rollout, rollout_s
 from integrations.litellm import acompletion as scoped_acompletion
 from integrations.litellm import scoped_params
 from integrations.openai import patch_client
+from tests.helpers_serving import served_fixture
 
 ASYNC = pytest.mark.asyncio(loop_scope="module")
 MAX_TOKENS = 6
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> AsyncIterator[tuple[LocalBackend, TrainableModel]]:
-    backend = LocalBackend(tmp_path_factory.mktemp("capture"))
-    model = TrainableModel(project="capture", name="agent", base_model="tiny-random")
-    await model.register(backend)
-    yield backend, model
-    await backend.close()
-
-
-@pytest.fixture
-def model(served: tuple[LocalBackend, TrainableModel]) -> TrainableModel:
-    return served[1]
+served = served_fixture("capture", project="capture", name="agent")
 
 
 @pytest.fixture

@@ -11,32 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from art_core.backends import LocalBackend
 from art_core.gather import gather_trajectory_groups
 from art_core.model import TrainableModel
 from art_core.types import TrajectoryGroup
 from integrations import rollout_scope
+from tests.helpers_serving import served_fixture
 
 ASYNC = pytest.mark.asyncio(loop_scope="module")
 GROUPS, PER_GROUP = 8, 4
 FAILING = "g3r1"
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> AsyncIterator[tuple[LocalBackend, TrainableModel]]:
-    backend = LocalBackend(tmp_path_factory.mktemp("concurrency"))
-    model = TrainableModel(project="capture", name="crowd", base_model="tiny-random")
-    await model.register(backend)
-    yield backend, model
-    await backend.close()
+served = served_fixture("concurrency", project="capture", name="crowd")
 
 
 def opening(marker: str) -> list[dict[str, Any]]:

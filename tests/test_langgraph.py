@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import pytest_asyncio
 from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
@@ -26,13 +24,14 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, create_react_agent
 from pydantic import SecretStr
 
-import integrations.langgraph as lg
+import integrations.chat_models as chat_models
 from art_core.backends import LocalBackend
 from art_core.model import TrainableModel
 from art_core.sequences import trajectory_sequences
 from art_core.types import Trajectory
 from integrations import NothingCapturedError, current_scope, rollout
 from integrations.langgraph import TrainableGraph, chat_model, langgraph_rollout, patch_chat_model
+from tests.helpers_serving import served_fixture
 
 ASYNC = pytest.mark.asyncio(loop_scope="module")
 PROMPT_A = "You are the agent. Look prices up."
@@ -46,20 +45,7 @@ def get_price(fruit: str) -> str:
     return {"apple": "$0.85 per pound"}.get(fruit, "unknown")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> AsyncIterator[tuple[LocalBackend, TrainableModel]]:
-    backend = LocalBackend(tmp_path_factory.mktemp("langgraph"))
-    model = TrainableModel(project="langgraph", name="agent", base_model="tiny-random")
-    await model.register(backend)
-    yield backend, model
-    await backend.close()
-
-
-@pytest.fixture
-def model(served: tuple[LocalBackend, TrainableModel]) -> TrainableModel:
-    return served[1]
+served = served_fixture("langgraph", project="langgraph", name="agent")
 
 
 def plain_chat_openai(model: TrainableModel, **kwargs: Any) -> ChatOpenAI:
@@ -382,7 +368,7 @@ async def test_partly_captured_rollout_warns(model: TrainableModel, caplog: pyte
     builder.add_node("untagged", untagged)
     builder.add_edge(START, "tagged")
     builder.add_edge("tagged", "untagged")
-    with caplog.at_level(logging.WARNING, logger="integrations.langgraph"):
+    with caplog.at_level(logging.WARNING, logger="integrations.chat_models"):
         _, trajectory = await TrainableGraph(builder.compile(), model).ainvoke(QUESTION)
     assert len(trajectory.turns) == 1
     assert "2 chat-model call(s) to the trained model's server in this rollout, 1 captured" in caplog.text
@@ -392,9 +378,9 @@ async def test_partly_captured_rollout_warns(model: TrainableModel, caplog: pyte
 async def test_graph_invoked_outside_a_rollout_warns_once(
     model: TrainableModel, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(lg, "_warned_servers", set())
+    monkeypatch.setattr(chat_models, "_warned_servers", set())
     graph = create_agent(chat_model(model, max_tokens=3), tools=[get_price])
-    with caplog.at_level(logging.WARNING, logger="integrations.langgraph"):
+    with caplog.at_level(logging.WARNING, logger="integrations.chat_models"):
         await graph.ainvoke(QUESTION)
         await graph.ainvoke(QUESTION)
     warnings = [r for r in caplog.records if "outside any rollout scope" in r.getMessage()]
@@ -403,8 +389,8 @@ async def test_graph_invoked_outside_a_rollout_warns_once(
     quiet = create_agent(
         chat_model(model, max_tokens=3, warn_outside_scope=False, timeout=httpx.Timeout(60.0)), []
     )
-    monkeypatch.setattr(lg, "_warned_servers", set())
-    with caplog.at_level(logging.WARNING, logger="integrations.langgraph"):
+    monkeypatch.setattr(chat_models, "_warned_servers", set())
+    with caplog.at_level(logging.WARNING, logger="integrations.chat_models"):
         await quiet.ainvoke(QUESTION)
     assert "outside any rollout scope" not in caplog.text
 

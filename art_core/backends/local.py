@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from art_core.backends.base import InferenceInfo, ModelSpec, ProgressCallback, TrainResult
 from art_core.capture import RolloutRecorder
 from art_core.config import TrainConfig
-from art_core.engine import EngineConfig
+from art_core.engine_config import EngineConfig
 from art_core.server import ServerHandle, create_app, serve_in_thread
 from art_core.service import ModelService, ServingConfig
 from art_core.types import TrajectoryGroup
