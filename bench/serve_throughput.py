@@ -309,6 +309,11 @@ async def drive_all(targets: list[Target], args: argparse.Namespace) -> dict[str
         }
 
     live = list(targets)
+    idle_cpu = {t.key: 0.0 for t in targets}  # CPU the servers used while others were driven
+
+    def cpu_of_all() -> dict[str, float | None]:
+        return {t.key: group_cpu_s(t.pgid) for t in targets}
+
     checks: dict[str, str] = {}
     rounds: dict[str, list[dict[str, Any]]] = {t.key: [] for t in targets}
     errors: dict[str, str] = {}
@@ -318,8 +323,14 @@ async def drive_all(targets: list[Target], args: argparse.Namespace) -> dict[str
             checks[target.key] = check.choices[0].message.content or ""
         for _ in range(args.repeats + 1):
             for target in list(live):
+                before = cpu_of_all()
                 try:
                     rounds[target.key].append(await timed_round(target))
+                    after = cpu_of_all()
+                    for key, was in before.items():
+                        now = after[key]
+                        if key != target.key and was is not None and now is not None:
+                            idle_cpu[key] += now - was
                 except Exception as exc:  # a failing side (vLLM trouble) must not end the others
                     if target.key == "ours":
                         raise
@@ -346,6 +357,7 @@ async def drive_all(targets: list[Target], args: argparse.Namespace) -> dict[str
             "tokens_per_request": statistics.mean(r["tokens"] for r in timed) / len(chats),
             "prompt_tokens": statistics.mean(timed[0]["prompt"]),
             "check": checks[target.key],
+            "idle_cpu_s": round(idle_cpu[target.key], 2),
         }
     return results
 
@@ -794,7 +806,8 @@ def main() -> None:
             sides[key] = {**result, **facts[key]}
             say(
                 f"{key}: {result['tok_s']:.1f} tok/s (rounds {result['round_tok_s']}), "
-                f"{result['tokens_per_request']:.1f} tokens/request"
+                f"{result['tokens_per_request']:.1f} tokens/request; {result['idle_cpu_s']} CPU-s used while "
+                "idle (others' rounds)"
             )
     result = report(args, sides, reasons, (load_before, os.getloadavg()[0]))
     print(json.dumps(result), flush=True)
