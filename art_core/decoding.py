@@ -6,8 +6,8 @@ under whatever grad/eval mode the caller set (the engine uses `torch.inference_m
 mode). With a peft model it passes `adapter_names` (one per row, "__base__" for the base model)
 to every forward, so rows with different LoRA adapters share the batch. Rows with the same
 prompt prefix and adapter (a shared system prompt; the n completions of a request, a GRPO
-group) prefill that prefix once and copy its cache rows. Between steps, rows that arrived meanwhile can join the running batch
-(continuous batching): they are prefilled together and their cache is joined to the batch's
+group) prefill that prefix once and copy its cache rows. Between steps, rows that arrived
+meanwhile can join the running batch (continuous batching): they are prefilled together and their cache is joined to the batch's
 (`art_core.kv_cache`); finished rows are reported at once and dropped from the batch once
 enough have piled up.
 """
@@ -118,12 +118,7 @@ class DecodeBatch:
         self.use_adapter_names = use_adapter_names
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.pad_id = int(pad)
-        width = max(len(r.prompt_ids) for r in rows)
-        self.input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        self.mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            self.input_ids[i, width - len(row.prompt_ids) :] = torch.tensor(row.prompt_ids, dtype=torch.long)
-            self.mask[i, width - len(row.prompt_ids) :] = 1
+        self.input_ids, self.mask = _left_padded([r.prompt_ids for r in rows], self.pad_id)
         self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
         self.device = next(model.parameters()).device
         self.input_ids, self.mask, self.positions = (
@@ -195,12 +190,10 @@ class DecodeBatch:
         if len(owners) == len(self.rows):
             return logits
         expand = torch.tensor(slots)
-        self.cache.batch_select_indices(expand.to(self.device))
+        on_device = expand.to(self.device)
+        self.cache.batch_select_indices(on_device)
         if shared:  # the mask and positions were made for the owners' rows only
-            self.mask, self.positions = (
-                self.mask[expand.to(self.device)],
-                self.positions[expand.to(self.device)],
-            )
+            self.mask, self.positions = self.mask[on_device], self.positions[on_device]
         return logits[expand]
 
     def _prefill_shared(self, shared: int, owners: list[int]) -> torch.Tensor:
@@ -217,13 +210,7 @@ class DecodeBatch:
         steps = torch.arange(shared, device=self.device)[None]
         self.forward(prefix, steps, rows=owners[:1], mask=torch.ones_like(prefix))
         self.cache.batch_select_indices(torch.zeros(len(rows), dtype=torch.long, device=self.device))
-        own = [r.prompt_ids[shared:] for r in rows]
-        width = max(len(ids) for ids in own)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        own_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, tokens in enumerate(own):
-            ids[i, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
-            own_mask[i, width - len(tokens) :] = 1
+        ids, own_mask = _left_padded([r.prompt_ids[shared:] for r in rows], self.pad_id)
         own_mask = own_mask.to(self.device)
         prefix_mask = torch.ones((len(rows), shared), dtype=torch.long, device=self.device)
         self.mask = torch.cat([prefix_mask, own_mask], dim=1)
@@ -347,6 +334,17 @@ def _report(rows: list[RowState], finished: Callable[[list[RowState]], None] | N
     done = [r for r in rows if r.finish_reason is not None]
     if done and finished is not None:
         finished(done)
+
+
+def _left_padded(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as one left-padded [B, longest] batch of ids, and its mask (1 on tokens)."""
+    width = max(len(ids) for ids in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, tokens in enumerate(sequences):
+        ids[i, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+        mask[i, width - len(tokens) :] = 1
+    return ids, mask
 
 
 def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:

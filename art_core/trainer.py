@@ -73,7 +73,8 @@ def decoder_and_head(model: PeftModel) -> tuple[nn.Module, nn.Module]:
 
 def _fused_adamw(params: list[nn.Parameter]) -> bool:
     """AdamW's fused kernel (one pass over all LoRA tensors instead of ~10 ops per tensor) where torch
-    has one: float parameters on CPU or CUDA. Same update as the default implementation."""
+    has one: float parameters on CPU or CUDA. The same update as the default implementation, to float
+    rounding."""
     return all(
         p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16)
         for p in params

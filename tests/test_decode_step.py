@@ -9,6 +9,7 @@ from art_core.decode_step import decode_step, supports_decode_step
 from art_core.kv_cache import growing_cache
 from art_core.lora import LoRAConfig, attach_lora
 from art_core.models import LoadedModel
+from tests.helpers_models import tiny_llama
 
 
 def _padded_batch(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -43,24 +44,13 @@ def _check_steps(model: torch.nn.Module, atol: float) -> None:
             token = theirs.argmax(-1, keepdim=True)
 
 
-def _tiny_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
-
-
 def test_qwen2_decode_step_equals_the_transformers_forward(tiny_model: LoadedModel) -> None:
     assert supports_decode_step(tiny_model.model)
     _check_steps(tiny_model.model.eval(), atol=1e-5)
 
 
 def test_llama_decode_step_equals_the_transformers_forward_in_bf16() -> None:
-    model = _tiny_llama().eval()
+    model = tiny_llama(layers=4).eval()
     assert supports_decode_step(model)
     _check_steps(model, atol=1e-5)
     _check_steps(model.to(torch.bfloat16), atol=0.1)
@@ -122,7 +112,7 @@ def test_packed_weights_give_the_same_logits_and_follow_weight_writes() -> None:
     place (a re-merge) is packed again before the next step uses it."""
     from art_core.decode_step import PACKED_WEIGHTS, fuse_projections, pack_weights
 
-    plain, packed = (_tiny_llama().to(torch.bfloat16).eval() for _ in range(2))  # the same seed
+    plain, packed = (tiny_llama(layers=4).to(torch.bfloat16).eval() for _ in range(2))  # the same seed
     fuse_projections(plain)
     fuse_projections(packed)  # (not a deepcopy of `plain`: that would not keep the fused views)
     if not pack_weights(packed):

@@ -12,17 +12,7 @@ from art_core.lora import LoRAConfig, attach_lora
 from art_core.models import LoadedModel
 from art_core.packed_forward import grouped_attention, packed_hidden_states, project, supports_packed_forward
 from art_core.training_forward import fused_lora
-
-
-def tiny_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+from tests.helpers_models import tiny_llama
 
 
 def with_lora(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,17 @@
+"""Small random models built in the tests (beside conftest's `tiny_model`, a Qwen2)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_llama(layers: int = 2) -> torch.nn.Module:
+    """A random Llama (grouped-query attention: 4 heads on 2 kv heads), seeded, init range 0.1."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
