@@ -105,13 +105,13 @@ def decode_step(
         if fused is not None:
             qkv = _linear(x, fused[0], fused[1], packs).view(rows, heads + 2 * kv_heads, head_dim)
             # Queries and keys are rotated together: one set of elementwise ops instead of two.
-            rotated = _rotate(qkv[:, : heads + kv_heads], cos, sin)
+            rotated = rotate(qkv[:, : heads + kv_heads], cos, sin)
             query = rotated[:, :heads].reshape(rows, kv_heads, group, head_dim)
             key = rotated[:, heads:].reshape(rows, kv_heads, 1, head_dim)
             value = qkv[:, heads + kv_heads :].reshape(rows, kv_heads, 1, head_dim)
         else:
-            query = _rotate(attn.q_proj(x).view(rows, heads, head_dim), cos, sin)
-            key = _rotate(attn.k_proj(x).view(rows, kv_heads, head_dim), cos, sin)
+            query = rotate(attn.q_proj(x).view(rows, heads, head_dim), cos, sin)
+            key = rotate(attn.k_proj(x).view(rows, kv_heads, head_dim), cos, sin)
             query = query.view(rows, kv_heads, group, head_dim)
             key = key.view(rows, kv_heads, 1, head_dim)
             value = attn.v_proj(x).view(rows, kv_heads, 1, head_dim)
@@ -132,8 +132,9 @@ def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of [B, heads, head_dim] with cos/sin [B, 1, head_dim]."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (transformers' `apply_rotary_pos_emb`) of [..., heads, head_dim] with cos/sin
+    [..., 1, head_dim]: one token position per leading index, broadcast over the heads."""
     return x * cos + _rotate_half(x) * sin
 
 

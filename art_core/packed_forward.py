@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
 
+from art_core.decode_step import rotate
+
 SUPPORTED_DECODERS = frozenset({"LlamaModel", "Qwen2Model"})
 
 
@@ -129,13 +131,6 @@ def _heads(attn: Any) -> tuple[int, int]:
     return kv_heads, config.num_attention_heads // kv_heads
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding of [N, heads, head_dim] (transformers' `apply_rotary_pos_emb`)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 def _attention(attn: Any, x: Tensor, layout: _Layout) -> Tensor:
     """The attention block's output [N, hidden] for packed inputs [N, hidden]."""
     tokens, head_dim = x.shape[0], attn.head_dim
@@ -143,7 +138,7 @@ def _attention(attn: Any, x: Tensor, layout: _Layout) -> Tensor:
     query, key, value = (
         out.view(tokens, -1, head_dim) for out in project(x, [attn.q_proj, attn.k_proj, attn.v_proj])
     )
-    query, key = _rotate(query, *layout.rotary), _rotate(key, *layout.rotary)
+    query, key = rotate(query, *layout.rotary), rotate(key, *layout.rotary)
     own = (tokens - prefix) // batch
     prefix_bias, row_bias = layout.biases
 

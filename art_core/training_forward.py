@@ -1,11 +1,11 @@
 """The trainer's forward pass: final hidden states at chosen positions, with a shared prefix run once.
 
-Sequences of one group start with the same prompt. `hidden_states_at` runs such a common prefix once.
-Llama and Qwen2 bodies go through `packed_forward` (prefix and rows packed into one pass per layer);
-for other models it runs the prefix through transformers (batch 1, with its key/value cache), expands
-the cache along the batch without copying, and runs only each row's remaining tokens on top of it. Autograd sums the gradients that flow back into the shared
-prefix from every row, so values and gradients equal the unshared computation up to float rounding.
-It needs no dropout (one draw for the prefix would replace one per row) and a plain `DynamicCache`;
+Sequences of one group start with the same prompt. `hidden_states_at` runs such a common prefix
+once. Llama and Qwen2 bodies go through `packed_forward` (prefix and rows packed into one pass per
+layer); for other models it runs the prefix through transformers (batch 1, with its key/value
+cache), expands the cache along the batch without copying, and runs only each row's remaining
+tokens on top of it. Autograd sums the gradients that flow back into the shared prefix from every
+row, so values and gradients equal the unshared computation up to float rounding. It needs no dropout (one draw for the prefix would replace one per row) and a plain `DynamicCache`;
 otherwise every row runs in full.
 
 `fused_lora` swaps, while training, each vanilla peft LoRA `Linear`'s forward for one that adds the
