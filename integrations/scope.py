@@ -25,6 +25,7 @@ exit then fetches with blocking httpx. `async with` and `with` share one enter a
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -202,7 +203,9 @@ class RolloutScope:
                 f"the server answered {response.status_code} for the records of rollout {self.id} "
                 f"({self._records_url}): {response.text[:500]}"
             )
-        return RolloutRecords.model_validate_json(response.content).records
+        # json.loads, not pydantic's JSON parser: the server writes a lone surrogate that a client
+        # sent (as a \ud800 escape) back as the same escape, which pydantic's parser refuses.
+        return RolloutRecords.model_validate(json.loads(response.content)).records
 
     def build(self, returned: Trajectory | None) -> Trajectory:
         """The trajectory from the fetched records, merged into `returned` when the rollout returned one."""

@@ -7,6 +7,7 @@ Each door is driven by its real client (openai async and sync, litellm, httpx) o
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,24 @@ async def test_openai_async_door_captures_multi_turn_exact_tokens(model: Trainab
 
 
 @ASYNC
+async def test_a_lone_surrogate_in_a_message_is_captured_as_sent(model: TrainableModel) -> None:
+    # The server writes it back as a \ud800 escape; the scope must read that (was a JSON error).
+    # (The openai client cannot send one; a raw HTTP client can, as a JSON escape.)
+    messages: list[Any] = [{"role": "user", "content": "hi", "name": "x\ud800"}]
+    body = {"model": model.name, "messages": messages, "max_tokens": MAX_TOKENS}
+    async with rollout(model) as scope, httpx.AsyncClient() as http:
+        response = await http.post(
+            f"{scope.server_url}/rollouts/{scope.id}/v1/chat/completions",
+            content=json.dumps(body),  # ensure_ascii: the surrogate travels as an escape
+            headers={
+                "Authorization": f"Bearer {model.inference_api_key}",
+                "Content-Type": "application/json",
+            },
+        )
+        assert response.status_code == 200, response.text
+    assert scope.records[0].messages[0]["name"] == "x\ud800"
+
+
 async def test_openai_sync_door_in_a_thread(model: TrainableModel) -> None:
     client = model.sync_openai_client()
 
