@@ -24,7 +24,13 @@ import torch
 from art_core.decode_step import decode_step, supports_decode_step
 from art_core.grammar import RowConstraint
 from art_core.kv_cache import cache_kwarg, growing_cache, join_caches, joinable
-from art_core.sampling import SamplingParams, find_stop, sample_next, stop_window_tokens
+from art_core.sampling import (
+    SamplingParams,
+    chosen_logprobs,
+    find_stop,
+    sample_next,
+    stop_window_tokens,
+)
 
 BASE_ADAPTER = "__base__"
 """peft's name for "no adapter" in a mixed-adapter batch."""
@@ -280,22 +286,23 @@ class DecodeBatch:
     def step(self, logits: torch.Tensor) -> torch.Tensor:
         """Sample one token per row and record it (with its logprobs) on the unfinished rows."""
         # Log-probs stay the model's own (what the trainer scores); only sampling sees the grammar.
-        logp = torch.log_softmax(logits, dim=-1)
+        probs = torch.softmax(logits, dim=-1)
         constrained = [
             i for i, r in enumerate(self.rows) if r.constraint is not None and r.finish_reason is None
         ]
+        sampled = logits
         if constrained:
-            logits = logits.clone()
+            sampled = logits.clone()
             for i in constrained:
-                self.rows[i].constraint.mask_(logits[i])  # type: ignore[union-attr]
+                self.rows[i].constraint.mask_(sampled[i])  # type: ignore[union-attr]
         generators = [r.generator for r in self.rows]
-        next_ids = sample_next(logits, self.temps, self.top_ps, generators, None if constrained else logp)
-        chosen = logp.gather(1, next_ids[:, None])[:, 0].tolist()
+        next_ids = sample_next(sampled, self.temps, self.top_ps, generators, None if constrained else probs)
+        chosen = chosen_logprobs(logits, probs, next_ids).tolist()
         k = max(r.params.top_logprobs for r in self.rows)
         top_vals: list[list[float]] = []
         top_ids: list[list[int]] = []
         if k:
-            values, indices = logp.topk(k, dim=-1)
+            values, indices = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
             top_vals, top_ids = values.tolist(), indices.tolist()
         for i, (row, token) in enumerate(zip(self.rows, next_ids.tolist(), strict=True)):
             if row.finish_reason is not None:

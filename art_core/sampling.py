@@ -121,10 +121,68 @@ def sample_nucleus(probs: torch.Tensor, top_ps: torch.Tensor, uniforms: torch.Te
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Per row, the first column where the cumulative (unnormalised) probability exceeds u * total."""
-    cdf = probs.cumsum(dim=-1)
-    targets = uniforms[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, targets, right=True).clamp_(max=probs.shape[-1] - 1)[:, 0]
+    """Per row, the first column where the cumulative (unnormalised) probability exceeds u * total.
+
+    Rows of `CDF_BLOCK` * 4 columns or more (a vocabulary) go by blocks: the cumulative sum of the
+    block sums picks the block, then that block's own cumulative sum picks the column. That is
+    the column one cumulative sum over the whole row picks, up to float rounding, for a fraction
+    of the work (32 x 49k: one summing pass and 32 short cumsums instead of a 1.8 ms cumsum). A
+    column of probability 0 is never picked (in a row with any mass), rounding included.
+    """
+    rows, width = probs.shape
+    targets = uniforms[:, None].to(probs.dtype)
+    if width < 4 * CDF_BLOCK:
+        cdf = probs.cumsum(dim=-1)
+        return _first_above(probs, cdf, targets * cdf[:, -1:])[:, 0]
+    whole = width // CDF_BLOCK * CDF_BLOCK
+    sums = probs[:, :whole].reshape(rows, -1, CDF_BLOCK).sum(dim=-1)
+    if whole < width:
+        sums = torch.cat([sums, probs[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
+    block_cdf = sums.cumsum(dim=-1)
+    targets = targets * block_cdf[:, -1:]
+    block = _first_above(sums, block_cdf, targets)  # [B, 1]
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    columns = block * CDF_BLOCK + torch.arange(CDF_BLOCK)
+    inside = columns < width  # the last block may be short
+    values = probs.gather(1, columns.clamp(max=width - 1)) * inside
+    picked = _first_above(values, values.cumsum(dim=-1), targets - before)
+    return (block * CDF_BLOCK + picked)[:, 0]
+
+
+CDF_BLOCK = 256
+"""Columns per block of `inverse_cdf`'s two-level search."""
+
+
+def _first_above(probs: torch.Tensor, cdf: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[B, 1] index of the first `cdf` entry above `targets` [B, 1]; where rounding put a target at
+    or above the row's total, the row's last column of non-zero probability instead."""
+    found = torch.searchsorted(cdf, targets, right=True)
+    past = found >= cdf.shape[-1]
+    if bool(past.any()):
+        columns = torch.arange(cdf.shape[-1]).expand_as(cdf)
+        last = torch.where(probs > 0, columns, 0).amax(dim=-1, keepdim=True)
+        found = torch.where(past, last, found)
+    return found
+
+
+def chosen_logprobs(logits: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[row, ids[row]] [B] from `probs` = softmax(logits) [B, V].
+
+    The log of the picked probability (exact to ~1e-7 for probabilities above `EXACT_BELOW`); rows
+    whose picked probability is smaller (a token a grammar forced against the model, say) take the
+    exact logit minus log-sum-exp instead, so no logprob ever reads -inf from an underflowed 0.
+    """
+    picked = probs.gather(1, ids[:, None])[:, 0]
+    out = picked.log()
+    tiny = (picked < EXACT_BELOW).nonzero()[:, 0]
+    if len(tiny):
+        rows = logits[tiny].float()
+        out[tiny] = rows.gather(1, ids[tiny][:, None])[:, 0] - rows.logsumexp(dim=-1)
+    return out
+
+
+EXACT_BELOW = 1e-30
+"""`chosen_logprobs` recomputes a logprob whose probability is below this from the logits."""
 
 
 TINY_TEMPERATURE = 1e-20
@@ -136,16 +194,16 @@ def sample_next(
     temperatures: torch.Tensor,
     top_ps: torch.Tensor,
     generators: Sequence[torch.Generator | None],
-    logprobs: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sample one token id per row of `logits` [B, V]; returns a LongTensor [B].
 
     Rows with temperature 0 take the argmax. Other rows sample from softmax(logits / T),
     restricted to their top-p nucleus, by inverse CDF on one uniform number drawn from the
     row's generator (None: torch's global generator). Every row draws its number, greedy or
-    not, so a row's random stream depends only on its own generator. `logprobs`, the caller's
-    `log_softmax(logits)` if it has it, saves a second softmax when every sampled row is at
-    temperature 1 (its exp is that softmax).
+    not, so a row's random stream depends only on its own generator. `probs`, the caller's
+    `softmax(logits)` if it has it, saves a second softmax when every sampled row is at
+    temperature 1.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -163,9 +221,8 @@ def sample_next(
     everyone = len(sampling) == logits.shape[0]
     rows = logits if everyone else logits[sampling]
     temps = temperatures.float() if everyone else temperatures[sampling].float()
-    if logprobs is not None and bool((temps == 1).all()):
-        probs = (logprobs if everyone else logprobs[sampling]).exp()
-        return _sample_rows(out, probs, sampling, top_ps, uniforms)
+    if probs is not None and bool((temps == 1).all()):
+        return _sample_rows(out, probs if everyone else probs[sampling], sampling, top_ps, uniforms)
     tiny = temps < TINY_TEMPERATURE
     if bool(tiny.any()):
         # logits / T overflows to inf (softmax: NaN) for T ~ 1e-40: shift those rows by their max

@@ -21,7 +21,15 @@ from art_core.engine import (
     UnknownAdapterError,
 )
 from art_core.models import LoadedModel
-from art_core.sampling import SamplingParams, find_stop, sample_next, sample_nucleus, top_p_filter
+from art_core.sampling import (
+    SamplingParams,
+    chosen_logprobs,
+    find_stop,
+    inverse_cdf,
+    sample_next,
+    sample_nucleus,
+    top_p_filter,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 TEXTS = ["def add(a, b):", "import os\nimport sys\n", "x", "class Foo:\n    def __init__(self):", "return 1"]
@@ -84,11 +92,11 @@ def test_sample_next_follows_the_distribution_and_top_p() -> None:
     assert torch.equal(kept, torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
 
 
-def test_sample_next_from_the_callers_logprobs_draws_the_same_tokens() -> None:
-    """At temperature 1 the caller's log-softmax replaces the sampler's own softmax: same draws."""
+def test_sample_next_from_the_callers_probs_draws_the_same_tokens() -> None:
+    """At temperature 1 the caller's softmax replaces the sampler's own: same draws."""
     torch.manual_seed(5)
     logits = torch.randn(64, 3000) * 4
-    logprobs = torch.log_softmax(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1)
     for temps, top_ps in [
         (torch.ones(64), torch.ones(64)),
         (torch.ones(64), torch.full((64,), 0.8)),
@@ -96,10 +104,46 @@ def test_sample_next_from_the_callers_logprobs_draws_the_same_tokens() -> None:
         (torch.tensor([0.5, 1.0] * 32), torch.ones(64)),  # other temperatures: the softmax path
     ]:
         draws = [
-            sample_next(logits, temps, top_ps, [torch.Generator().manual_seed(i) for i in range(64)], lp)
-            for lp in (None, logprobs)
+            sample_next(logits, temps, top_ps, [torch.Generator().manual_seed(i) for i in range(64)], p)
+            for p in (None, probs)
         ]
         assert torch.equal(draws[0], draws[1])
+
+
+@pytest.mark.parametrize("width", [5000, 49152, 256 * 7 + 3])  # ragged last block, whole blocks
+def test_blocked_inverse_cdf_picks_the_column_of_one_full_cumsum(width: int) -> None:
+    torch.manual_seed(width)
+    probs = torch.softmax(torch.randn(64, width, dtype=torch.float64) * 3, dim=-1)
+    probs[:8, 100:] = 0.0  # a grammar's mask: most blocks hold nothing
+    uniforms = torch.rand(64, dtype=torch.float64)
+    uniforms[:4] = torch.tensor([0.0, 0.9999999, 0.5, 0.999999])
+    cdf = probs.cumsum(-1)
+    naive = [int((cdf[i] <= uniforms[i] * cdf[i, -1]).sum()) for i in range(64)]
+    picked = inverse_cdf(probs, uniforms)
+    assert picked.tolist() == naive
+    assert bool((probs.gather(1, picked[:, None]) > 0).all())
+
+
+def test_inverse_cdf_never_picks_a_zero_when_rounding_overshoots() -> None:
+    probs = torch.zeros(3, 4000)
+    probs[0, 10], probs[1, 3999], probs[2, 700] = 1.0, 1.0, 1e-3
+    picked = inverse_cdf(probs, torch.tensor([1.0, 1.0, 1.0]))  # u = 1: the target is the total
+    assert picked.tolist() == [10, 3999, 700]
+    small = inverse_cdf(probs[:, :50], torch.tensor([1.0, 1.0, 1.0]))  # the flat path
+    assert small.tolist() == [10, 0, 0]  # rows 1 and 2 have nothing in their first 50 columns
+
+
+def test_chosen_logprobs_equal_log_softmax_even_where_the_probability_underflows() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(16, 3000) * 3
+    logits[0, 7] = -200.0  # exp underflows to 0 in float32: a token only a grammar would force
+    probs = torch.softmax(logits, dim=-1)
+    ids = torch.randint(0, 3000, (16,))
+    ids[0] = 7
+    expected = torch.log_softmax(logits, dim=-1).gather(1, ids[:, None])[:, 0]
+    got = chosen_logprobs(logits, probs, ids)
+    assert bool(torch.isfinite(got).all())
+    assert torch.allclose(got, expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("scale", [0.1, 1.0, 5.0])  # flat (needs the full sort) to peaked (top-64 suffices)
