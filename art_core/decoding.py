@@ -23,7 +23,8 @@ import torch
 
 from art_core.decode_step import decode_step, supports_decode_step
 from art_core.grammar import RowConstraint
-from art_core.kv_cache import cache_kwarg, growing_cache, join_caches, joinable
+from art_core.kv_cache import cache_kwarg, fill_cache, growing_cache, join_caches, joinable, row_layers
+from art_core.prefix_cache import PrefixCache, PrefixHit
 from art_core.sampling import (
     SamplingParams,
     chosen_logprobs,
@@ -119,9 +120,19 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
 class DecodeBatch:
     """One left-padded batch: prefill, then token-by-token decoding with a DynamicCache."""
 
-    def __init__(self, model: Any, tokenizer: Any, rows: list[RowState], use_adapter_names: bool) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        rows: list[RowState],
+        use_adapter_names: bool,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
         self.model, self.tokenizer, self.rows = model, tokenizer, list(rows)
         self.use_adapter_names = use_adapter_names
+        self.prefix_cache = prefix_cache
+        """Where prompts look up their cached prefixes and prompts and finished rows are stored;
+        valid for `model`'s current weights (the caller's duty: `PrefixCache.for_weights`)."""
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.pad_id = int(pad)
         self.input_ids, self.mask = _left_padded([r.prompt_ids for r in rows], self.pad_id)
@@ -179,33 +190,74 @@ class DecodeBatch:
         """The logits after every row's prompt.
 
         Rows with the same prompt and adapter (the n completions of a request, a GRPO group) share
-        one forward and copy its cache rows. The distinct prompts, when they start alike (a system
-        prompt; all of one adapter), prefill their common prefix once (`shared_prompt_length`).
+        one forward and copy its cache rows. The distinct prompts then skip what they can: the
+        longest prefix each has in the prefix cache (`PrefixCache`; prompts seen before, an
+        agent's previous turns), or, when that saves less, their common prefix (a system prompt;
+        all of one adapter) run once (`shared_prompt_length`). Each distinct prompt is then stored
+        in the prefix cache.
         """
         first: dict[tuple[Any, ...], int] = {}
         slots = [first.setdefault((r.adapter, *r.prompt_ids), len(first)) for r in self.rows]
         owners = [slots.index(slot) for slot in range(len(first))]
-        shared = shared_prompt_length([self.rows[i] for i in owners])
-        if shared:
-            logits = self._prefill_shared(shared, owners)
-        elif len(owners) == len(self.rows):
-            return self.forward(self.input_ids, self.positions)
-        else:
+        if len(owners) < len(self.rows):  # the forward covers the owners; their copies come after
             picked = torch.tensor(owners, device=self.device)
-            logits = self.forward(self.input_ids[picked], self.positions[picked], rows=owners)
+            self.input_ids, self.mask, self.positions = (
+                self.input_ids[picked],
+                self.mask[picked],
+                self.positions[picked],
+            )
+        rows = [self.rows[i] for i in owners]
+        hits = [self.prefix_cache.lookup(r.prompt_ids) for r in rows] if self.prefix_cache is not None else []
+        shared = shared_prompt_length(rows)
+        if sum(hit.length for hit in hits) > shared * (len(rows) - 1):
+            logits = self._prefill_cached(owners, hits)
+        elif shared:
+            logits = self._prefill_shared(shared, owners)
+        else:
+            logits = self.forward(self.input_ids, self.positions, rows=owners, mask=self.mask)
+        self._remember(list(range(len(rows))), [r.prompt_ids for r in rows])
         if len(owners) == len(self.rows):
             return logits
         expand = torch.tensor(slots)
         on_device = expand.to(self.device)
         self.cache.batch_select_indices(on_device)
-        if shared:  # the mask and positions were made for the owners' rows only
-            self.mask, self.positions = self.mask[on_device], self.positions[on_device]
+        self.mask, self.positions = self.mask[on_device], self.positions[on_device]
         return logits[expand]
 
+    def _prefill_cached(self, owners: list[int], hits: list[PrefixHit]) -> torch.Tensor:
+        """Logits of rows `owners` (one per distinct prompt) whose leading tokens `hits` found
+        cached: their keys and values go into the cache as they are, and the forward runs each
+        row's other tokens on top of them. The batch's mask and positions become the owners'.
+
+        Each row's cache then holds [left padding | its cached prefix | left padding | the rest of
+        its prompt]; the mask hides the padding and positions continue from the prefix.
+        """
+        rows = [self.rows[i] for i in owners]
+        past_mask = fill_cache(self.cache, [(hit.layers, hit.mask) for hit in hits])
+        rests = [r.prompt_ids[hit.length :] for r, hit in zip(rows, hits, strict=True)]
+        ids, own_mask = _left_padded(rests, self.pad_id)
+        own_mask = own_mask.to(self.device)
+        cached = torch.tensor([hit.length for hit in hits], device=self.device)
+        self.mask = torch.cat([past_mask, own_mask], dim=1)
+        self.positions = cached[:, None] + (own_mask.cumsum(-1) - 1).clamp(min=0)
+        if ids.shape[1] == 1 and self.lean:  # all but every prompt's last token was cached
+            return decode_step(self.model, ids.to(self.device), self.positions, self.mask, self.cache).cpu()
+        return self.forward(ids, self.positions, rows=owners, mask=self.mask)
+
+    def _remember(self, cache_rows: list[int], sequences: list[list[int]]) -> None:
+        """Store in the prefix cache what `cache_rows` of the batch's cache hold: `sequences` (views
+        of the batch's buffers, no copy: the batch only ever appends to them)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        for row, sequence in zip(cache_rows, sequences, strict=True):
+            if not cache.holds(sequence):
+                cache.store(sequence, row_layers(self.cache, row), self.mask[row])
+
     def _prefill_shared(self, shared: int, owners: list[int]) -> torch.Tensor:
-        """Logits [len(owners), V] of rows `owners`, whose first `shared` prompt tokens are the same:
-        prefill that prefix once, copy its cache to every owner, then prefill each owner's rest on
-        top of it. The batch's mask and positions become the owners' (the caller expands them).
+        """Logits of rows `owners` (one per distinct prompt), whose first `shared` prompt tokens are
+        the same: prefill that prefix once, copy its cache to every owner, then prefill each
+        owner's rest on top of it. The batch's mask and positions become the owners'.
 
         Each row's cache then holds [the shared prefix | left padding | its own prompt tokens]; the
         mask hides the padding and positions continue from the prefix, so attention and rotary
@@ -243,9 +295,12 @@ class DecodeBatch:
         limit = max_rows or len(self.rows)
         join = admit if admit is not None and joinable(self.cache) else None
         while True:
-            before = [r for r in self.rows if r.finish_reason is None]
+            before = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
             next_ids = self.step(logits)
-            _report(before, finished)
+            ended = [i for i in before if self.rows[i].finish_reason is not None]
+            # The cache holds each ended row's prompt and its tokens but the last (never fed back).
+            self._remember(ended, [self.rows[i].prompt_ids + self.rows[i].token_ids[:-1] for i in ended])
+            _report([self.rows[i] for i in before], finished)
             live = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
             joiners = join(limit - len(live)) if join is not None and len(live) < limit else []
             if not live and not joiners:
@@ -269,7 +324,7 @@ class DecodeBatch:
         finished: Callable[[list[RowState]], None] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill `rows`, sample their first tokens and append them to this batch (possibly empty)."""
-        newcomers = DecodeBatch(self.model, self.tokenizer, rows, self.use_adapter_names)
+        newcomers = DecodeBatch(self.model, self.tokenizer, rows, self.use_adapter_names, self.prefix_cache)
         first = newcomers.step(newcomers.prefill())
         _report(rows, finished)
         if not self.rows:  # everyone before them has finished: the newcomers become the batch

@@ -90,6 +90,7 @@ from art_core.engine_errors import (
 )
 from art_core.engine_protocol import Engine
 from art_core.grammar import RowConstraint
+from art_core.prefix_cache import PrefixCache
 from art_core.sampling import row_seed
 from art_core.serving_weights import UnsupportedAdapterError, peft_model_of, serving_copy
 from art_core.streaming import DeltaChannel, TokenStream
@@ -206,6 +207,8 @@ class TorchEngine:
         self._serving = (
             serving_copy(model, config.serve_adapter, config.serve_dtype) if config.merged_serving else None
         )
+        mib = config.prefix_cache_mib
+        self._prefix = PrefixCache(mib * 2**20) if mib and self._serving is not None else None
         self._resync = False  # a full re-merge of the serving copy is due (set by resume, weights_updated)
         self._thread = threading.Thread(target=self._work, name="art-engine", daemon=True)
         self._thread.start()
@@ -460,9 +463,16 @@ class TorchEngine:
         self._fail_queued(EngineClosedError("the engine was closed before this request ran"))
 
     def stats(self) -> EngineStats:
-        """Counters: batches, rows, tokens, largest batch, serving-copy merges."""
-        serving = self._serving
-        return replace(self._stats, merges=serving.merges) if serving is not None else self._stats
+        """Counters: batches, rows, tokens, largest batch, serving-copy merges, prefix-cache hits."""
+        stats, serving, prefix = self._stats, self._serving, self._prefix
+        if serving is not None:
+            stats = replace(stats, merges=serving.merges)
+        if prefix is not None:
+            counts = prefix.stats()
+            stats = replace(
+                stats, prompt_tokens=counts.looked_up_tokens, cached_prompt_tokens=counts.hit_tokens
+            )
+        return stats
 
     # -- worker ------------------------------------------------------------------------------
 
@@ -591,7 +601,7 @@ class TorchEngine:
 
         self._stats = replace(self._stats, max_batch_rows=max(self._stats.max_batch_rows, lane.live))
         try:
-            DecodeBatch(model, self._tokenizer, rows, use_adapter_names=peft).run(
+            DecodeBatch(model, self._tokenizer, rows, peft, self._prefix_cache(on_serving_copy)).run(
                 self.config.prune_fraction,
                 admit=admit,
                 finished=finished,
@@ -604,15 +614,30 @@ class TorchEngine:
         if lane.rate.seconds() > 0 and lane.rate.finished:
             self._admission.note_rate(*lane.rate.take())
 
+    def _prefix_cache(self, on_serving_copy: bool) -> PrefixCache | None:
+        """The prefix cache for a lane: only the serving copy's, whose weights change only when it is
+        re-merged (`merges` counts those); the peft model's adapters change under it at any time."""
+        serving = self._serving
+        if not on_serving_copy or serving is None or self._prefix is None:
+            return None
+        return self._prefix.for_weights((id(serving), serving.merges))
+
     def _take_joiners(self, room: int, on_serving_copy: bool) -> list[RowState]:
         """Up to `room` queued rows of this lane to join a running batch. None while a pause, an
         adapter operation or a re-merge waits for the batch to end, nor while rows of the other lane
-        wait (so a steady flow on one lane never starves the other: they share the next batch)."""
+        wait (so a steady flow on one lane never starves the other: they share the next batch), nor
+        onto the serving copy once the model's weights changed under it (a train step without a
+        pause): the batch's rows finish on the weights they began with, the queued rows start the
+        next batch, after a re-merge."""
+        if not self._rows:
+            return []
+        serving = self._serving
+        if on_serving_copy and serving is not None and serving.stale(self._model):
+            return []
         with self._cond:
             if self._paused or self._closed or self._ops or self._resync:
                 return []
             live = [row for row in self._rows if not row.job.done]
-            serving = self._serving
             mine = [
                 r for r in live if (serving is not None and r.adapter == serving.adapter) == on_serving_copy
             ]

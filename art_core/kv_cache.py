@@ -123,3 +123,37 @@ def join_caches(cache: DynamicCache, other: DynamicCache) -> int:
         assert isinstance(layer, GrowingLayer) and isinstance(incoming, GrowingLayer)
         layer.join(incoming, width)
     return width
+
+
+def row_layers(cache: DynamicCache, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, views of batch row `row`'s keys and values, each [kv_heads, length, head_dim]."""
+    layers: list[Any] = list(cache.layers)
+    return [(layer.keys[row], layer.values[row]) for layer in layers]
+
+
+def fill_cache(
+    cache: DynamicCache, pasts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]]
+) -> torch.Tensor:
+    """Write per-row pasts into the empty `cache`, right-aligned at the widest (zeros on the left).
+
+    A past is (per layer, keys and values [kv_heads, columns, head_dim]; its column mask
+    [columns], None for no past). Returns the batch's mask [B, widest] (the pasts' masks, right-aligned).
+    """
+    width = max(0 if mask is None else mask.shape[0] for _, mask in pasts)
+    layers, _ = next(past for past in pasts if past[1] is not None)
+    heads, _, dim = layers[0][0].shape
+    sample = layers[0][0]
+    mask = torch.zeros((len(pasts), width), dtype=torch.long, device=sample.device)
+    for row, (_, columns) in enumerate(pasts):
+        if columns is not None:
+            mask[row, width - columns.shape[0] :] = columns
+    cache_layers: list[Any] = list(cache.layers)
+    for index, layer in enumerate(cache_layers):
+        keys = sample.new_zeros((len(pasts), heads, width, dim))
+        values = sample.new_zeros((len(pasts), heads, width, dim))
+        for row, (past, columns) in enumerate(pasts):
+            if columns is not None:
+                keys[row, :, width - columns.shape[0] :] = past[index][0]
+                values[row, :, width - columns.shape[0] :] = past[index][1]
+        layer.update(keys, values)
+    return mask

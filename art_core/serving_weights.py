@@ -165,6 +165,13 @@ class MergedWeights:
             )
         return written
 
+    def stale(self, model: nn.Module) -> bool:
+        """Whether `sync` would rewrite anything (`model`'s weights changed through torch since the
+        last sync); writes nothing. About a millisecond for SmolLM2's ~270 tensors."""
+        if _structure_key(model) != self._structure:
+            return True
+        return any(_stamp(entry, self.adapter) != entry.stamp for entry in self._entries.values())
+
     def _map(self, model: nn.Module) -> dict[str, _Entry]:
         """Pair every tensor of the serving model with its source (and LoRA layer) in `model`."""
         if self.adapter is not None and (

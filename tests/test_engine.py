@@ -626,6 +626,58 @@ async def test_weight_changes_without_a_pause_are_seen(
         engine.close()
 
 
+async def test_requests_after_a_weight_change_do_not_join_a_batch_on_the_old_weights(
+    tiny_model: LoadedModel, peft_setup: tuple[Any, Path]
+) -> None:
+    """A train step without a pause while a batch runs: the running row keeps its weights, the
+    request sent after the change waits for the next batch (re-merged) instead of joining."""
+    peft_model, _ = peft_setup
+    ps = prompts(tiny_model)
+    engine = TorchEngine(peft_model, tiny_model.tokenizer, EXACT)
+    try:
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        running = asyncio.create_task(one(engine, ps[0], long, "trainer"))
+        while engine.stats().batches == 0:
+            await asyncio.sleep(0.001)
+        _scale_lora_b(peft_model, "trainer", -3.0)
+        late = asyncio.create_task(one(engine, ps[1], WITH_LOGPROBS, "trainer"))
+        await asyncio.sleep(0.05)  # it is queued while the first batch runs
+        assert not running.done(), "the first batch ended before the late request: make it longer"
+        await asyncio.gather(running, late)
+        assert (engine.stats().batches, engine.stats().joins) == (2, 0)
+        _assert_same(
+            [late.result()], await _peft_reference(peft_model, tiny_model.tokenizer, ps[1:2], "trainer")
+        )
+    finally:
+        engine.close()
+
+
+async def test_prompts_seen_before_reuse_their_cache_until_the_adapter_changes(
+    tiny_model: LoadedModel, peft_setup: tuple[Any, Path]
+) -> None:
+    peft_model, _ = peft_setup
+    ps = [p * 16 for p in prompts(tiny_model)]  # at least one of the cache's 16-token blocks each
+    engine = TorchEngine(peft_model, tiny_model.tokenizer, EXACT)
+    try:
+        first = await _greedy(engine, ps, "trainer")
+        assert engine.stats().cached_prompt_tokens == 0
+        _assert_same(await _greedy(engine, ps, "trainer"), first)
+        stats = engine.stats()
+        assert stats.cached_prompt_tokens == sum(len(p) - 1 for p in ps)  # all but each last token
+        _scale_lora_b(peft_model, "trainer", -3.0)  # a train step: the cached keys are stale now
+        _assert_same(
+            await _greedy(engine, ps, "trainer"),
+            await _peft_reference(peft_model, tiny_model.tokenizer, ps, "trainer"),
+        )
+        after = engine.stats()
+        assert (
+            after.prompt_tokens > stats.prompt_tokens
+            and after.cached_prompt_tokens == stats.cached_prompt_tokens
+        )
+    finally:
+        engine.close()
+
+
 async def test_mixed_batch_rows_equal_their_solo_results(
     tiny_model: LoadedModel, peft_setup: tuple[Any, Path]
 ) -> None:
