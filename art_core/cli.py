@@ -136,6 +136,16 @@ def serve(
             "Retry-After. Default: EngineConfig.max_queued_rows (2048).",
         ),
     ] = None,
+    prefix_cache_mib: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            show_default=False,
+            help="Per model: MiB for the prefix cache (keys and values of recent prompts and completions, "
+            "so a prompt that starts like an earlier one prefills only its new tokens); 0 turns it off. "
+            "Default: EngineConfig.prefix_cache_mib (512).",
+        ),
+    ] = None,
     max_concurrent_requests: Annotated[
         int | None,
         typer.Option(
@@ -186,13 +196,20 @@ def serve(
     from art_core.vllm_config import VLLMNotInstalledError
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[_rich_handler()])
-    engine_config = (
-        EngineConfig() if max_queued_rows is None else EngineConfig(max_queued_rows=max_queued_rows)
-    )
+    torch_flags = [
+        flag
+        for flag, value in (("--max-queued-rows", max_queued_rows), ("--prefix-cache-mib", prefix_cache_mib))
+        if value is not None
+    ]
     try:
+        engine_config = EngineConfig(
+            max_queued_rows=EngineConfig.max_queued_rows if max_queued_rows is None else max_queued_rows,
+            prefix_cache_mib=EngineConfig.prefix_cache_mib if prefix_cache_mib is None else prefix_cache_mib,
+        )
         serving = serving_config(engine.value, vllm_option or [])
-        if serving.engine == "vllm" and max_queued_rows is not None:
-            raise ValueError("--max-queued-rows applies to the torch engine; vLLM keeps its own queue")
+        if serving.engine == "vllm" and torch_flags:
+            flags = ", ".join(torch_flags)
+            raise ValueError(f"{flags} applies to the torch engine; vLLM has its own queue and prefix cache")
         service = ModelService(path, engine_config, serving=serving)
     except (ValueError, TypeError, VLLMNotInstalledError) as exc:
         console.print(f"[red]art serve:[/] {_escape(str(exc))}", soft_wrap=True)

@@ -5,8 +5,9 @@ from any event loop and from many coroutines at once) queues the request's n row
 future the worker resolves. The worker takes the queued rows (up to `max_batch_size`) and
 decodes them as one left-padded batch with a KV cache: a prefill, then token-by-token decoding
 in our own loop; each row ends on its own (stop ids, eos, stop strings, max_tokens) and its
-request is answered as soon as its last row ends. A batch starts `batch_wait_s` (5 ms) after
-its first request arrived, so a burst of HTTP requests mostly lands in one prefill.
+request is answered as soon as its last row ends. A batch starts once no request has arrived
+for `batch_wait_s` (5 ms; at most `batch_wait_max_s`, 50 ms, after the first), so a burst of
+HTTP requests lands in one prefill.
 
 Continuous batching. Between decode steps, rows queued meanwhile join the running batch while
 it has room: they are prefilled together and their cache is joined to the batch's, left-padded
@@ -200,6 +201,7 @@ class TorchEngine:
         self._rows: deque[RowState] = deque()
         self._ops: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._paused = self._busy = self._closed = False
+        self._arrived = 0.0  # when rows were last queued (monotonic): a batch waits for a burst
         self._death: BaseException | None = None
         self._added: set[str] = set()
         self._stats = EngineStats(0, 0, 0, 0)
@@ -249,6 +251,7 @@ class TorchEngine:
                 if self._closed:
                     raise EngineClosedError("the engine is closed") from self._death
                 self._rows.extend(rows)
+                self._arrived = time.monotonic()
                 self._cond.notify_all()
             try:
                 return await job.future
@@ -289,6 +292,7 @@ class TorchEngine:
             closed = self._closed
             if not closed:
                 self._rows.extend(rows)
+                self._arrived = time.monotonic()
                 self._cond.notify_all()
         if closed:
             cancel()
@@ -511,10 +515,12 @@ class TorchEngine:
             self._fail_queued(exc)
 
     def _wait_for_company(self) -> None:
-        """With the lock held: let requests right behind the first one join its batch (`batch_wait_s`)."""
-        deadline = time.monotonic() + self.config.batch_wait_s
-        while self._rows and len(self._rows) < self.config.max_batch_size:
-            left = deadline - time.monotonic()
+        """With the lock held: let the requests of a burst join the first one's batch, until none
+        arrived for `batch_wait_s` or `batch_wait_max_s` has passed."""
+        config = self.config
+        latest = time.monotonic() + config.batch_wait_max_s
+        while self._rows and len(self._rows) < config.max_batch_size:
+            left = min(self._arrived + config.batch_wait_s, latest) - time.monotonic()
             if left <= 0 or self._closed or self._paused:
                 return
             self._cond.wait(left)

@@ -53,7 +53,11 @@ class EngineConfig:
     next turn, a group's shared scenario) prefills only its new tokens. SmolLM2-135M in bfloat16
     holds ~23k tokens in 512 MiB. Emptied whenever the serving copy is re-merged."""
     batch_wait_s: float = 0.005
-    """How long a batch waits, once a request arrived, for more to join it (HTTP bursts arrive spread out)."""
+    """A new batch waits until no request has arrived for this long, so a burst of HTTP requests
+    (they arrive ~1 ms apart as the server parses them) starts as one batch rather than one batch
+    and a join (one more prefill forward, one more cache copy)."""
+    batch_wait_max_s: float = 0.05
+    """...but starts at most this long after the worker saw its first request."""
     merged_serving: bool = True
     """Decode the served adapter's rows on a copy of the weights with that adapter merged in (fast);
     False runs every row through the model as given (peft's per-row adapter path: slow, no extra memory)."""
@@ -89,6 +93,8 @@ class EngineConfig:
             )
         if not 0 <= self.batch_wait_s <= 1:
             raise ValueError(f"batch_wait_s must be between 0 and 1 second, got {self.batch_wait_s}")
+        if not 0 <= self.batch_wait_max_s <= 1:
+            raise ValueError(f"batch_wait_max_s must be between 0 and 1 second, got {self.batch_wait_max_s}")
         if not 0 < self.prune_fraction <= 1:
             raise ValueError(f"prune_fraction must be in (0, 1], got {self.prune_fraction}")
 

@@ -41,3 +41,15 @@ def test_art_demo_json_line_plot_and_resume(tmp_path: Path) -> None:
     assert second.exit_code == 0, second.output
     assert "resumed at step 2" in second.output
     assert json.loads(second.output.strip().splitlines()[-1])["steps"] == 2
+
+
+def test_art_serve_torch_engine_flags_are_refused_with_vllm(tmp_path: Path) -> None:
+    for flags, named in [
+        (["--prefix-cache-mib", "0"], "--prefix-cache-mib"),
+        (["--max-queued-rows", "8", "--prefix-cache-mib", "64"], "--max-queued-rows, --prefix-cache-mib"),
+    ]:
+        result = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--path", str(tmp_path), *flags])
+        assert result.exit_code == 2, result.output
+        assert f"{named} applies to the torch engine" in " ".join(result.output.split())
+    negative = CliRunner().invoke(app, ["serve", "--path", str(tmp_path), "--prefix-cache-mib", "-1"])
+    assert negative.exit_code == 2
