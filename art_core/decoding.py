@@ -145,6 +145,8 @@ class DecodeBatch:
         self.top_ps = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
         self.adapter_names = [r.adapter or BASE_ADAPTER for r in rows]
         self.cache = growing_cache(model.config, room=max(r.max_new for r in rows))
+        if not joinable(self.cache):  # other layer kinds (sliding windows) may rewrite their columns
+            self.prefix_cache = None
         self.cache_kwarg = cache_kwarg(model)
         self.lean = not use_adapter_names and supports_decode_step(model)
         """Decode steps run `decode_step` instead of transformers' forward (same modules, same math)."""
