@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+from art_core.decoding import DecodeBatch
 
 
 def tiny_llama(layers: int = 2) -> torch.nn.Module:
@@ -15,3 +18,19 @@ def tiny_llama(layers: int = 2) -> torch.nn.Module:
     )  # fmt: skip
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
+
+
+def record_prefills(patch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """Record the input shape of every multi-token forward (a prefill) of `DecodeBatch`."""
+    shapes: list[tuple[int, ...]] = []
+    forward = DecodeBatch.forward
+
+    def recording(
+        batch: DecodeBatch, input_ids: torch.Tensor, *args: object, **kwargs: object
+    ) -> torch.Tensor:
+        if input_ids.shape[1] > 1:
+            shapes.append(tuple(input_ids.shape))
+        return forward(batch, input_ids, *args, **kwargs)  # type: ignore[arg-type]
+
+    patch.setattr(DecodeBatch, "forward", recording)
+    return shapes

@@ -13,6 +13,7 @@ from art_core.engine import EngineConfig, GenerationRequest, TorchEngine
 from art_core.kv_cache import growing_cache, join_caches
 from art_core.models import LoadedModel
 from art_core.sampling import SamplingParams
+from tests.helpers_models import record_prefills
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 
@@ -40,22 +41,14 @@ def test_rows_sharing_a_prompt_prefix_prefill_it_once_and_decode_as_alone(tiny_m
     later = {2: [_row(prefix + _prompt(tiny_model, 5, 6)), _row(prefix + [42])]}  # joiners share it too
     assert shared_prompt_length(first) == 20 and shared_prompt_length(later[2]) == 20
     assert shared_prompt_length([first[0], _row(_prompt(tiny_model, 30))]) == 0  # nothing in common
-    calls, finished, prefills = [0], [], []
-    forward = DecodeBatch.forward
-
-    def counting(
-        batch: DecodeBatch, input_ids: torch.Tensor, *args: object, **kwargs: object
-    ) -> torch.Tensor:
-        if input_ids.shape[1] > 1:
-            prefills.append(tuple(input_ids.shape))
-        return forward(batch, input_ids, *args, **kwargs)  # type: ignore[arg-type]
+    calls, finished = [0], []
 
     def admit(room: int) -> list[RowState]:
         calls[0] += 1
         return later.pop(calls[0], [])
 
     with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(DecodeBatch, "forward", counting)
+        prefills = record_prefills(patch)
         batch = DecodeBatch(tiny_model.model, tiny_model.tokenizer, first, use_adapter_names=False)
         batch.run(0.25, admit=admit, finished=finished.extend, max_rows=8)
     # the prefix once per prefill (batch 1), then each distinct prompt's own tokens only

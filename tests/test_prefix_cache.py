@@ -9,6 +9,7 @@ from art_core.decoding import DecodeBatch, RowState
 from art_core.models import LoadedModel
 from art_core.prefix_cache import PrefixCache, PrefixHit
 from art_core.sampling import SamplingParams
+from tests.helpers_models import record_prefills
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, top_logprobs=2)
 
@@ -118,22 +119,6 @@ def _assert_as_alone(tiny_model: LoadedModel, rows: list[RowState]) -> None:
         )
 
 
-def _widths(patch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """Record the shape of every multi-token forward (a prefill) of DecodeBatch."""
-    shapes: list[tuple[int, ...]] = []
-    forward = DecodeBatch.forward
-
-    def recording(
-        batch: DecodeBatch, input_ids: torch.Tensor, *args: object, **kwargs: object
-    ) -> torch.Tensor:
-        if input_ids.shape[1] > 1:
-            shapes.append(tuple(input_ids.shape))
-        return forward(batch, input_ids, *args, **kwargs)  # type: ignore[arg-type]
-
-    patch.setattr(DecodeBatch, "forward", recording)
-    return shapes
-
-
 def test_an_agents_next_turn_prefills_only_its_new_tokens_and_decodes_as_alone(
     tiny_model: LoadedModel,
 ) -> None:
@@ -147,7 +132,7 @@ def test_an_agents_next_turn_prefills_only_its_new_tokens_and_decodes_as_alone(
     turn2 = [p + r.token_ids + [400 + i, 401] for i, (p, r) in enumerate(zip(turn1, first, strict=False))]
     fresh = [(11 * i) % 800 + 3 for i in range(30)]
     with pytest.MonkeyPatch.context() as patch:
-        shapes = _widths(patch)
+        shapes = record_prefills(patch)
         second = _decode(tiny_model, [*turn2, fresh], cache)
     # conversations: prompt + 7 fed completion tokens cached; 3 new each. fresh: all 30 (not shared)
     assert shapes == [(4, 30)]
@@ -160,7 +145,7 @@ def test_a_batch_of_cached_prompts_prefills_with_one_decode_step(tiny_model: Loa
     prompts = [[(3 * i + k) % 700 + 9 for i in range(20 + 5 * k)] for k in range(3)]
     _decode(tiny_model, prompts, cache)
     with pytest.MonkeyPatch.context() as patch:
-        shapes = _widths(patch)
+        shapes = record_prefills(patch)
         again = _decode(tiny_model, prompts, cache)
     assert shapes == []  # every prompt but its last token was cached
     _assert_as_alone(tiny_model, again)
@@ -172,7 +157,7 @@ def test_a_shared_system_prompt_beats_small_cache_hits(tiny_model: LoadedModel) 
     system = [(5 * i) % 900 + 7 for i in range(40)]
     _decode(tiny_model, [[(13 * i) % 500 + 2 for i in range(20)]], cache)  # unrelated: no hits
     with pytest.MonkeyPatch.context() as patch:
-        shapes = _widths(patch)
+        shapes = record_prefills(patch)
         rows = _decode(tiny_model, [system + [50 + i] * (i + 1) for i in range(4)], cache)
     assert shapes == [(1, 40), (4, 4)]
     _assert_as_alone(tiny_model, rows)
