@@ -125,10 +125,19 @@ def join_caches(cache: DynamicCache, other: DynamicCache) -> int:
     return width
 
 
-def row_layers(cache: DynamicCache, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, views of batch row `row`'s keys and values, each [kv_heads, length, head_dim]."""
+def rows_layers(
+    cache: DynamicCache, rows: list[int], start: int = 0
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Copies of batch rows `rows`' keys and values from column `start` on: per row, per layer,
+    (keys, values) [kv_heads, length - start, head_dim], views of one copy per layer and kind
+    that holds just these rows (so they keep no other row of the batch alive)."""
     layers: list[Any] = list(cache.layers)
-    return [(layer.keys[row], layer.values[row]) for layer in layers]
+    index = torch.tensor(rows, device=layers[0].keys.device)
+    copies = [
+        (layer.keys[:, :, start:].index_select(0, index), layer.values[:, :, start:].index_select(0, index))
+        for layer in layers
+    ]
+    return [[(keys[i], values[i]) for keys, values in copies] for i in range(len(rows))]
 
 
 def fill_cache(

@@ -7,12 +7,13 @@ keys and values (all layers) of recently prefilled prompts and finished completi
 prompt's prefill runs only the tokens past the longest prefix the cache holds (vLLM's automatic
 prefix caching, at token granularity).
 
-Storing costs no copy: an entry is a token sequence and, per layer, views of one row of the
-decoding batch's own KV buffers, with that row's column mask (a batch row holds its tokens in
-order, with padding columns in between where its prefill padded it). The decoder never writes a
-column it has written before (it appends, and selecting or joining rows makes new buffers), so
-the views stay valid. A buffer lives as long as one entry views it, and the cache's memory is
-counted per buffer: the bytes of every buffer its entries view.
+An entry is a token sequence and, per layer, its keys and values as the decoding batch's row
+held them (from its first token on), with the row's column mask: a batch row holds its tokens in
+order, with padding columns in between where its prefill padded it. They are copied out of the
+batch, the rows stored at one step together (one copy per layer and kind: 13-37 ms for 32 rows
+of 100 tokens of SmolLM2), not viewed: a view would keep the batch's whole buffer alive for one
+row, and a batch of long rows can outweigh the whole budget. The cache's memory is counted per
+buffer its entries view: a copy stays alive while one of its rows is cached.
 
 Lookup: an index maps the hash chain of each whole `block`-token block of an entry to the newest
 entry holding that chain. `lookup` follows a prompt's chain as far as it is indexed, then extends
@@ -47,8 +48,8 @@ class PrefixHit:
     length: int
     """How many leading tokens of the prompt are cached (0: none)."""
     layers: list[LayerKV]
-    """Per layer, the keys and values of those tokens: views [kv_heads, columns, head_dim] of a
-    batch's buffers (read them, never write them); empty when `length` is 0."""
+    """Per layer, the keys and values of those tokens: views [kv_heads, columns, head_dim] of the
+    cache's entry (read them, never write them); empty when `length` is 0."""
     mask: torch.Tensor | None
     """[columns] bool: which columns hold the tokens (in order; the others are padding)."""
 
@@ -149,9 +150,9 @@ class PrefixCache:
         return True
 
     def store(self, tokens: Sequence[int], layers: list[LayerKV], mask: torch.Tensor) -> None:
-        """Keep `tokens` with their keys and values: per layer, views [kv_heads, columns, head_dim]
-        that the caller never writes again, and `mask` [columns], true on the columns that hold
-        the tokens (in order).
+        """Keep `tokens` with their keys and values: per layer, tensors [kv_heads, columns, head_dim]
+        that the caller never writes again (the cache keeps them, not copies), and `mask`
+        [columns], true on the columns that hold the tokens (in order).
 
         Sequences shorter than one block are not kept (no lookup could find them), nor sequences
         an entry already holds whole. Entries that this one extends are dropped.
