@@ -23,7 +23,7 @@ import torch
 
 from art_core.decode_step import decode_step, supports_decode_step
 from art_core.grammar import RowConstraint
-from art_core.kv_cache import cache_kwarg, fill_cache, growing_cache, join_caches, joinable, rows_layers
+from art_core.kv_cache import cache_kwarg, fill_cache, growing_cache, join_caches, joinable, row_layers
 from art_core.prefix_cache import PrefixCache, PrefixHit
 from art_core.sampling import (
     SamplingParams,
@@ -247,19 +247,16 @@ class DecodeBatch:
         return self.forward(ids, self.positions, rows=owners, mask=self.mask)
 
     def _remember(self, cache_rows: list[int], sequences: list[list[int]]) -> None:
-        """Store in the prefix cache what `cache_rows` of the batch's cache hold: `sequences`. The
-        rows' columns are copied (from the first that holds a token), not the batch's buffers,
-        which would keep every row of the batch alive for one."""
+        """Store in the prefix cache what `cache_rows` of the batch's cache hold: `sequences`. Each
+        row's columns are copied (from the first that holds a token) into tensors of its own, so
+        the cache's budget evicts row by row and no cached row keeps the batch's buffers alive."""
         cache = self.prefix_cache
         if cache is None:
             return
-        todo = [(row, seq) for row, seq in zip(cache_rows, sequences, strict=True) if not cache.holds(seq)]
-        if not todo:
-            return
-        rows = [row for row, _ in todo]
-        start = int(self.mask[torch.tensor(rows, device=self.device)].argmax(dim=1).min())
-        for (row, sequence), layers in zip(todo, rows_layers(self.cache, rows, start), strict=True):
-            cache.store(sequence, layers, self.mask[row, start:])
+        for row, sequence in zip(cache_rows, sequences, strict=True):
+            if not cache.holds(sequence):
+                start = int(self.mask[row].argmax())
+                cache.store(sequence, row_layers(self.cache, row, start), self.mask[row, start:])
 
     def _prefill_shared(self, shared: int, owners: list[int]) -> torch.Tensor:
         """Logits of rows `owners` (one per distinct prompt), whose first `shared` prompt tokens are

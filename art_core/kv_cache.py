@@ -125,19 +125,12 @@ def join_caches(cache: DynamicCache, other: DynamicCache) -> int:
     return width
 
 
-def rows_layers(
-    cache: DynamicCache, rows: list[int], start: int = 0
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Copies of batch rows `rows`' keys and values from column `start` on: per row, per layer,
-    (keys, values) [kv_heads, length - start, head_dim], views of one copy per layer and kind
-    that holds just these rows (so they keep no other row of the batch alive)."""
+def row_layers(cache: DynamicCache, row: int, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of batch row `row`'s keys and values from column `start` on: per layer, (keys,
+    values) [kv_heads, length - start, head_dim], each its own tensor (keeping nothing else of
+    the batch alive)."""
     layers: list[Any] = list(cache.layers)
-    index = torch.tensor(rows, device=layers[0].keys.device)
-    copies = [
-        (layer.keys[:, :, start:].index_select(0, index), layer.values[:, :, start:].index_select(0, index))
-        for layer in layers
-    ]
-    return [[(keys[i], values[i]) for keys, values in copies] for i in range(len(rows))]
+    return [(layer.keys[row, :, start:].clone(), layer.values[row, :, start:].clone()) for layer in layers]
 
 
 def fill_cache(

@@ -161,3 +161,19 @@ def test_a_shared_system_prompt_beats_small_cache_hits(tiny_model: LoadedModel) 
         rows = _decode(tiny_model, [system + [50 + i] * (i + 1) for i in range(4)], cache)
     assert shapes == [(1, 40), (4, 4)]
     _assert_as_alone(tiny_model, rows)
+
+
+def test_rows_are_cached_one_by_one_even_when_their_batch_outweighs_the_budget(
+    tiny_model: LoadedModel,
+) -> None:
+    """Each cached row owns its copy: a budget of ~2.5 rows keeps the 2 most recent of 4 rows that
+    finished together (a copy of the batch, or a view of its buffers, would be evicted whole)."""
+    config = tiny_model.model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    prompts = [[(7 * i + 13 * k) % 600 + 5 for i in range(30)] for k in range(4)]
+    sequence_bytes = (30 + GREEDY.max_tokens - 1) * config.num_hidden_layers * 2 * config.num_key_value_heads
+    cache = PrefixCache(max_bytes=int(2.5 * sequence_bytes * head_dim * 4))  # float32
+    rows = _decode(tiny_model, prompts, cache)
+    finished = [row.prompt_ids + row.token_ids[:-1] for row in rows]
+    found = [cache.lookup(sequence + [1]).length for sequence in finished]
+    assert sorted(found) == [0, 0, len(finished[0]), len(finished[0])], found
