@@ -28,6 +28,7 @@ caller passes a `stamp` of its weights to `for_weights`, which empties the cache
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -131,7 +132,8 @@ class PrefixCache:
         if entry is None or len(tokens) < 2:
             return PrefixHit(0, [], None)
         start = blocks * self.block
-        length = min(start + _common_length(entry.tokens, tokens, start), len(tokens) - 1)
+        common = os.path.commonprefix([entry.tokens[start:], tuple(tokens[start:])])
+        length = min(start + len(common), len(tokens) - 1)
         if entry.tokens[:length] != tuple(tokens[:length]):  # a hash collision on the chain
             return PrefixHit(0, [], None)
         self._entries.move_to_end(id(entry))
@@ -222,13 +224,3 @@ class PrefixCache:
                 break
             entry, blocks = found, blocks + 1
         return entry, blocks
-
-
-def _common_length(cached: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
-    """How many tokens from `start` on `cached` and `tokens` share."""
-    n = 0
-    for a, b in zip(cached[start:], tokens[start:], strict=False):
-        if a != b:
-            break
-        n += 1
-    return n
