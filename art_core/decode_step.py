@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from art_core.precision import onednn_packs_bf16
+
 SUPPORTED_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
 
 
@@ -169,17 +171,11 @@ def pack_weights(model: Any) -> bool:
     ~230 us packed against ~310 us plain, weights not in cache). Packed copies are made on first
     use and remade when the weight was written since (its version counter: the serving copy's
     re-merges write in place), so they never serve stale weights. They cost one more copy of the
-    matmul weights in memory. Returns whether packing is on (bf16 weights on a CPU whose torch
-    has oneDNN's packed linear).
+    matmul weights in memory. Returns whether packing is on (bf16 weights on a CPU where oneDNN
+    can pack them: `precision.onednn_packs_bf16`).
     """
     parameter = next(model.parameters())
-    usable = (
-        parameter.device.type == "cpu"
-        and parameter.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    usable = parameter.device.type == "cpu" and parameter.dtype == torch.bfloat16 and onednn_packs_bf16()
     if usable:
         setattr(model, PACKED_WEIGHTS, {})
     return usable

@@ -31,6 +31,7 @@ from art_core.sampling import (
     find_stop,
     sample_next,
     stop_window_tokens,
+    top_logprobs,
 )
 
 BASE_ADAPTER = "__base__"
@@ -356,19 +357,20 @@ class DecodeBatch:
                 self.rows[i].constraint.mask_(sampled[i])  # type: ignore[union-attr]
         generators = [r.generator for r in self.rows]
         next_ids = sample_next(sampled, self.temps, self.top_ps, generators, None if constrained else probs)
-        chosen = chosen_logprobs(logits, probs, next_ids).tolist()
+        chosen = chosen_logprobs(logits, probs, next_ids)
         k = max(r.params.top_logprobs for r in self.rows)
         top_vals: list[list[float]] = []
         top_ids: list[list[int]] = []
         if k:
-            values, indices = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+            values, indices = top_logprobs(logits, probs, next_ids, chosen, k)
             top_vals, top_ids = values.tolist(), indices.tolist()
+        chosen_list = chosen.tolist()
         for i, (row, token) in enumerate(zip(self.rows, next_ids.tolist(), strict=True)):
             if row.finish_reason is not None:
                 continue
             kr = row.params.top_logprobs
             top = list(zip(top_ids[i][:kr], top_vals[i][:kr], strict=True)) if kr else []
-            row.push(token, chosen[i], top, self.tokenizer)
+            row.push(token, chosen_list[i], top, self.tokenizer)
         return next_ids
 
     def select(self, keep: torch.Tensor) -> None:

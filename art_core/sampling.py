@@ -166,19 +166,38 @@ def _first_above(probs: torch.Tensor, cdf: torch.Tensor, targets: torch.Tensor) 
 
 
 def chosen_logprobs(logits: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[row, ids[row]] [B] from `probs` = softmax(logits) [B, V].
+    """log softmax(logits)[row, ids[row]] from `probs` = softmax(logits) [B, V]; `ids` is [B] or
+    [B, k] (k tokens per row), and the result has its shape.
 
-    The log of the picked probability (exact to ~1e-7 for probabilities above `EXACT_BELOW`); rows
+    The log of the picked probability (exact to ~1e-7 for probabilities above `EXACT_BELOW`); entries
     whose picked probability is smaller (a token a grammar forced against the model, say) take the
     exact logit minus log-sum-exp instead, so no logprob ever reads -inf from an underflowed 0.
     """
-    picked = probs.gather(1, ids[:, None])[:, 0]
+    columns = ids[:, None] if ids.dim() == 1 else ids
+    picked = probs.gather(1, columns)
     out = picked.log()
-    tiny = (picked < EXACT_BELOW).nonzero()[:, 0]
+    tiny = (picked < EXACT_BELOW).nonzero()
     if len(tiny):
-        rows = logits[tiny].float()
-        out[tiny] = rows.gather(1, ids[tiny][:, None])[:, 0] - rows.logsumexp(dim=-1)
-    return out
+        rows, cols = tiny[:, 0], tiny[:, 1]
+        exact = logits[rows].float()
+        out[rows, cols] = exact.gather(1, columns[rows, cols][:, None])[:, 0] - exact.logsumexp(dim=-1)
+    return out[:, 0] if ids.dim() == 1 else out
+
+
+def top_logprobs(
+    logits: torch.Tensor, probs: torch.Tensor, sampled: torch.Tensor, sampled_logprobs: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` most likely tokens of each row and their logprobs, both [B, k], most likely first.
+
+    The logprobs come from `chosen_logprobs`, the formula of the sampled token's own logprob, and
+    a row's sampled token, when it is among its top k, reads `sampled_logprobs` itself: a token
+    reported twice (as the choice and as an alternative) has one value, by construction, not two
+    roundings of one number (vectorised and scalar `log` differ in the last bit on some CPUs).
+    """
+    ids = logits.topk(k, dim=-1).indices
+    values = chosen_logprobs(logits, probs, ids)
+    values = torch.where(ids == sampled[:, None], sampled_logprobs[:, None].to(values.dtype), values)
+    return values, ids
 
 
 EXACT_BELOW = 1e-30

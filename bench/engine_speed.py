@@ -34,7 +34,8 @@ import time
 from typing import Any
 
 import torch
-from topics import TOPICS  # bench/ is on sys.path when a bench script runs
+from machine import machine_header  # bench/ is on sys.path when a bench script runs
+from topics import TOPICS
 
 MODEL = "smollm2-135m"
 
@@ -164,6 +165,7 @@ def main() -> None:
     parser.add_argument("--modes", default="peft-fp32,merged-fp32,merged-bf16,hf-bf16")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    print(machine_header(), flush=True)
     torch.set_num_threads(args.threads)
     model, tokenizer = live_model()
     ps = prompts(tokenizer, args.requests)

@@ -68,7 +68,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from topics import TOPICS  # bench/ is on sys.path when a bench script runs
+from machine import machine_header  # bench/ is on sys.path when a bench script runs
+from topics import TOPICS
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
@@ -759,6 +760,7 @@ def main() -> None:
         OUT = sys.stderr
 
     load_before, memory = os.getloadavg()[0], mem_available_gib()
+    say(machine_header())
     say(
         f"machine: {os.cpu_count()} CPUs, load average {load_before:.1f}, "
         f"{'?' if memory is None else f'{memory:.1f}'} GiB memory available; {args.requests} concurrent chat requests x "

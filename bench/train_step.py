@@ -40,6 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from machine import machine_header  # bench/ is on sys.path when a bench script runs
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
 PROMPT = "Write a short poem about the sea and the wind."
@@ -524,6 +526,7 @@ def report(
     load: tuple[float, float],
 ) -> None:
     prompt, n = len(data["prompt_ids"]), len(data["completion_ids"])
+    print(machine_header())
     print(
         f"machine: {os.cpu_count()} CPUs, torch threads {args.threads}, base weights {args.dtype}, "
         f"precision {args.precision}, "

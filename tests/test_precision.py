@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,9 +14,11 @@ from art_core import precision
 from art_core.batch import BatchTotals
 from art_core.config import TrainConfig
 from art_core.models import LoadedModel
-from art_core.precision import cpu_has_native_bf16, matmul_precision, resolve_precision
+from art_core.precision import cpu_has_native_bf16, matmul_precision, onednn_packs_bf16, resolve_precision
 from tests.test_trainer import make_batch
 from tests.test_trainer_fast_paths import make_trainer
+
+pytestmark = pytest.mark.isa  # float results depend on the CPU's kernels (see .ci/run)
 
 CPU = torch.device("cpu")
 
@@ -70,3 +75,99 @@ def test_a_train_step_uses_the_precision_and_stays_close_to_exact(tiny_model: Lo
     assert auto_loss == pytest.approx(exact_loss, rel=0.05, abs=1e-3)
     cosine = torch.nn.functional.cosine_similarity(auto, exact, dim=0)
     assert cosine > 0.99, f"bf16 matmul gradients point elsewhere (cosine {cosine:.4f})"
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags as the Linux kernel reports them; None elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(line for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    return set(line.split(":", 1)[1].split())
+
+
+@pytest.fixture
+def fresh_probes() -> Iterator[None]:
+    """Clear the cached hardware probes before and after a test that changes what they see."""
+    precision.cpu_has_native_bf16.cache_clear()
+    precision.onednn_packs_bf16.cache_clear()
+    yield
+    precision.cpu_has_native_bf16.cache_clear()
+    precision.onednn_packs_bf16.cache_clear()
+
+
+@pytest.mark.parametrize("features", [(), ("avx512_bf16",), ("amx_tile",), ("avx512_bf16", "amx_tile")])
+@pytest.mark.parametrize("cap", [None, "AVX2", "AVX512_CORE", "AVX512_CORE_BF16", "avx512_core_amx", "ALL"])
+def test_native_bf16_follows_the_cpu_features_and_the_onednn_cap(
+    monkeypatch: pytest.MonkeyPatch, fresh_probes: None, features: tuple[str, ...], cap: str | None
+) -> None:
+    monkeypatch.setattr(precision, "_cpu_feature", lambda name: name in features)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    capped = cap is not None and cap.upper() in ("AVX2", "AVX512_CORE")
+    expected = bool(features) and not capped and torch.backends.mkldnn.is_available()
+    assert precision.cpu_has_native_bf16() is expected
+    assert resolve_precision("auto", CPU) == ("bf16" if expected else "ieee")
+
+
+def test_native_bf16_agrees_with_the_cpus_own_flags() -> None:
+    flags = _cpu_flags()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    cap = precision.onednn_isa_cap()
+    native = bool(flags & {"avx512_bf16", "amx_bf16"}) and (
+        cap is None or cap in precision.BF16_NATIVE_ISA_CAPS
+    )
+    assert cpu_has_native_bf16() is native
+
+
+def test_bf16_packing_agrees_with_the_cpus_own_flags() -> None:
+    flags = _cpu_flags()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    # torch packs bf16 weights with AVX512BW+VL+DQ or with AVX-NE-CONVERT (mkldnn_bf16_device_check)
+    can = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+    assert onednn_packs_bf16() is can
+
+
+@pytest.mark.parametrize("packs", [True, False])
+def test_decode_steps_pack_bf16_weights_only_where_onednn_can(
+    monkeypatch: pytest.MonkeyPatch, packs: bool
+) -> None:
+    from art_core import decode_step
+    from tests.helpers_models import tiny_llama
+
+    if packs and not onednn_packs_bf16():
+        pytest.skip("oneDNN cannot pack bf16 weights on this CPU (tested where it can)")
+    monkeypatch.setattr(decode_step, "onednn_packs_bf16", lambda: packs)
+    model = tiny_llama().to(torch.bfloat16)
+    assert decode_step.pack_weights(model) is packs
+    assert hasattr(model, decode_step.PACKED_WEIGHTS) is packs
+    assert decode_step.pack_weights(tiny_llama()) is False  # float32 weights are never packed
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_auto_serving_copy_is_bf16_exactly_where_bf16_is_native(
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    from art_core import serving_weights
+    from art_core.lora import LoRAConfig, attach_lora
+
+    monkeypatch.setattr(serving_weights, "cpu_has_native_bf16", lambda: native)
+    peft = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8))
+    merged = serving_weights.serving_copy(peft, "default", "auto")
+    assert merged is not None
+    assert next(merged.model.parameters()).dtype == (torch.bfloat16 if native else torch.float32)
+
+
+def test_a_kernel_cap_in_the_environment_takes_effect() -> None:
+    """CI reruns the float-sensitive tests with `ATEN_CPU_CAPABILITY` set: prove that it bites."""
+    levels = ["DEFAULT", "AVX2", "AVX512"]
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").upper()
+    if cap not in levels:
+        pytest.skip("no ATEN_CPU_CAPABILITY cap set (CI's reruns set one)")
+    assert levels.index(torch.backends.cpu.get_cpu_capability()) <= levels.index(cap)

@@ -604,6 +604,7 @@ def test_adam_betas_outside_0_1_are_a_400(http: httpx.Client) -> None:
     assert response.status_code == 400 and "adam_betas" in error_of(response)
 
 
+@pytest.mark.isa
 def test_a_denormal_temperature_samples_greedily(http: httpx.Client) -> None:
     # Was sampling the last token id every step: logits / 1e-45 overflowed and the softmax was NaN.
     response = chat(http, temperature=1e-45, max_tokens=4, logprobs=True, top_logprobs=1)
