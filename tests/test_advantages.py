@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from art_core.advantages import group_advantages
+from art_core.training.advantages import group_advantages
 
 rewards_lists = st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=1, max_size=16)
 

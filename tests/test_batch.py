@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from art_core.batch import BatchTotals, TrainingExample, collate, micro_batches, prepare_batch
-from art_core.logprobs import IGNORE_INDEX
-from art_core.sequences import NoTrainableTokensError, TokenSequence
-from art_core.types import History, Trajectory, TrajectoryGroup, Turn
+from art_core.rollouts.records import History, Trajectory, TrajectoryGroup, Turn
+from art_core.training.batch import BatchTotals, TrainingExample, collate, micro_batches, prepare_batch
+from art_core.training.logprobs import IGNORE_INDEX
+from art_core.training.sequences import NoTrainableTokensError, TokenSequence
 
 
 def trajectory(

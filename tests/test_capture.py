@@ -28,8 +28,8 @@ from art_core.capture import (
     validate_rollout_id,
 )
 from art_core.model import TrainableModel
-from art_core.sequences import trajectory_sequences
-from art_core.types import Trajectory, Turn
+from art_core.rollouts.records import Trajectory, Turn
+from art_core.training.sequences import trajectory_sequences
 from integrations import NothingCapturedError, current_scope, rollout, rollout_scope
 from integrations.litellm import acompletion as scoped_acompletion
 from integrations.litellm import scoped_params
@@ -332,10 +332,10 @@ async def test_rollout_routes_check_ids_and_auth(model: TrainableModel) -> None:
 @ASYNC
 async def test_capture_works_the_same_through_remote_backend(tmp_path: Path) -> None:
     """The `art serve` app in a thread, reached only over HTTP through `RemoteBackend`."""
-    from art_core import training_api
     from art_core.backends.remote import RemoteBackend
-    from art_core.server import serve_in_thread
-    from art_core.service import ModelService
+    from art_core.host import routes as training_api
+    from art_core.host.service import ModelService
+    from art_core.server.app import serve_in_thread
 
     key = "capture-remote-key-0123"
     service = ModelService(tmp_path)

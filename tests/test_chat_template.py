@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from art_core.chat_template import (
+from art_core.models.chat_template import (
     HERMES_TOOL_TEMPLATE,
     ensure_tool_template,
     hermes_tool_template,
@@ -18,7 +18,7 @@ from art_core.chat_template import (
     render_text,
     tool_call_text,
 )
-from art_core.models import LoadedModel
+from art_core.models.loading import LoadedModel
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from art_core.checkpoints import ModelStorage, atomic_write_bytes, validate_name
-from art_core.types import Trajectory, TrajectoryGroup, Turn
+from art_core.rollouts.records import Trajectory, TrajectoryGroup, Turn
+from art_core.storage import ModelStorage, atomic_write_bytes, validate_name
 
 
 @pytest.fixture

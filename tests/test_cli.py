@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from art_core.cli import app
+from art_core.app.cli import app
 
 
 def test_art_demo_json_line_plot_and_resume(tmp_path: Path) -> None:

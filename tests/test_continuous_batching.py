@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from art_core.decoding import DecodeBatch, RowState, shared_prompt_length
-from art_core.engine import EngineConfig, GenerationRequest, TorchEngine
-from art_core.kv_cache import growing_cache, join_caches
-from art_core.models import LoadedModel
-from art_core.sampling import SamplingParams
+from art_core.engine.sampling import SamplingParams
+from art_core.engine.torch.decoding import DecodeBatch, RowState, shared_prompt_length
+from art_core.engine.torch.engine import EngineConfig, GenerationRequest, TorchEngine
+from art_core.engine.torch.kv_cache import growing_cache, join_caches
+from art_core.models.loading import LoadedModel
 from tests.helpers_models import record_prefills
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
@@ -160,7 +160,7 @@ async def test_a_steady_flow_on_the_serving_copy_does_not_starve_other_rows(tiny
     """Rows of the other lane (base model, checkpoints: the peft path) get the next batch."""
     import copy
 
-    from art_core.lora import LoRAConfig, attach_lora
+    from art_core.training.lora import LoRAConfig, attach_lora
 
     torch.manual_seed(0)
     peft = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8), adapter_name="live")

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from art_core.dataset import DatasetBatch, epoch_order, iterate_dataset, steps_per_epoch
+from art_core.rollouts.dataset import DatasetBatch, epoch_order, iterate_dataset, steps_per_epoch
 
 
 def test_batches_cover_each_epoch_once_with_a_smaller_last_batch() -> None:

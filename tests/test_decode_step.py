@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from art_core.decode_step import decode_step, supports_decode_step
-from art_core.kv_cache import growing_cache
-from art_core.lora import LoRAConfig, attach_lora
-from art_core.models import LoadedModel
+from art_core.engine.torch.decode_step import decode_step, supports_decode_step
+from art_core.engine.torch.kv_cache import growing_cache
+from art_core.models.loading import LoadedModel
+from art_core.training.lora import LoRAConfig, attach_lora
 from tests.helpers_models import tiny_llama
 
 
@@ -73,7 +73,7 @@ def test_fused_serving_copy_follows_the_trainers_weights(tiny_model: LoadedModel
     """The merged serving copy's fused q/k/v and gate/up buffers get every re-merge (no stale weights)."""
     import copy
 
-    from art_core.serving_weights import MergedWeights
+    from art_core.engine.torch.serving_weights import MergedWeights
 
     torch.manual_seed(0)
     peft = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8), adapter_name="live").eval()
@@ -110,7 +110,7 @@ def test_fused_serving_copy_follows_the_trainers_weights(tiny_model: LoadedModel
 def test_packed_weights_give_the_same_logits_and_follow_weight_writes() -> None:
     """bf16 decode steps through oneDNN-packed weights equal the plain ones, and a weight written in
     place (a re-merge) is packed again before the next step uses it."""
-    from art_core.decode_step import PACKED_WEIGHTS, fuse_projections, pack_weights
+    from art_core.engine.torch.decode_step import PACKED_WEIGHTS, fuse_projections, pack_weights
 
     plain, packed = (tiny_llama(layers=4).to(torch.bfloat16).eval() for _ in range(2))  # the same seed
     fuse_projections(plain)

@@ -11,17 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from art_core.engine import (
-    Completion,
-    ContextLengthError,
-    EngineClosedError,
-    EngineConfig,
-    GenerationRequest,
-    TorchEngine,
-    UnknownAdapterError,
-)
-from art_core.models import LoadedModel
-from art_core.sampling import (
+from art_core.engine.sampling import (
     SamplingParams,
     chosen_logprobs,
     find_stop,
@@ -30,6 +20,16 @@ from art_core.sampling import (
     sample_nucleus,
     top_p_filter,
 )
+from art_core.engine.torch.engine import (
+    Completion,
+    ContextLengthError,
+    EngineClosedError,
+    EngineConfig,
+    GenerationRequest,
+    TorchEngine,
+    UnknownAdapterError,
+)
+from art_core.models.loading import LoadedModel
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 TEXTS = ["def add(a, b):", "import os\nimport sys\n", "x", "class Foo:\n    def __init__(self):", "return 1"]
@@ -162,7 +162,7 @@ def test_nucleus_candidates_match_a_full_sort(scale: float) -> None:
 def test_growing_cache_layer_equals_concatenation() -> None:
     from transformers.cache_utils import DynamicLayer
 
-    from art_core.kv_cache import GrowingLayer
+    from art_core.engine.torch.kv_cache import GrowingLayer
 
     torch.manual_seed(0)
     grow, plain = GrowingLayer(room=2), DynamicLayer()  # room 2: many reallocations
@@ -704,7 +704,7 @@ async def test_mixed_batch_rows_equal_their_solo_results(
 async def test_an_adapter_that_cannot_be_merged_is_served_through_peft(tiny_model: LoadedModel) -> None:
     from peft import LoraConfig, get_peft_model
 
-    from art_core.serving_weights import MergedWeights, UnsupportedAdapterError
+    from art_core.engine.torch.serving_weights import MergedWeights, UnsupportedAdapterError
 
     config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_bias=True, init_lora_weights=False)
     dora = get_peft_model(copy.deepcopy(tiny_model.model), config, adapter_name="live")

@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
-from art_core.demo import DemoSummary
+from art_core.app.demo import DemoSummary
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from art_core.gather import (
+from art_core.rollouts.groups import (
     GatherError,
     GatherStats,
     gather_trajectories,
     gather_trajectory_groups,
 )
-from art_core.types import Trajectory, TrajectoryGroup
+from art_core.rollouts.records import Trajectory, TrajectoryGroup
 
 
 @dataclass
@@ -191,7 +191,7 @@ async def test_after_each_can_replace_split_and_drop(caplog: pytest.LogCaptureFi
         TrajectoryGroup([r.run(f"{kind}{i}", reward=None) for i in range(2)], metadata={"kind": kind})
         for kind in ["score", "drop", "split", "replace"]
     ]
-    with caplog.at_level(logging.WARNING, logger="art_core.gather"):
+    with caplog.at_level(logging.WARNING, logger="art_core.rollouts.groups"):
         result = await gather_trajectory_groups(groups, pbar=False, after_each=after_each)
     assert [g.metadata["kind"] for g in result] == ["score", "piece", "piece", "replaced"]
     assert [names(g) for g in result] == [["score0", "score1"], ["split0"], ["split1"], ["replace0"]]

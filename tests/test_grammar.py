@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from art_core.grammar import (
+from art_core.engine.grammar import (
     GrammarError,
     RowConstraint,
     json_object_grammar,
@@ -99,7 +99,7 @@ def test_json_object_gives_an_object(tiny_model):
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_tool_call_is_well_formed(smollm2_tokenizer, choice):
-    from art_core.chat_template import parse_tool_calls
+    from art_core.models.chat_template import parse_tool_calls
 
     vocab = len(smollm2_tokenizer)
     constraint = RowConstraint(tool_call_grammar(WEATHER, choice), smollm2_tokenizer, vocab)

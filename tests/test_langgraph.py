@@ -27,8 +27,8 @@ from pydantic import SecretStr
 import integrations.chat_models as chat_models
 from art_core.backends import LocalBackend
 from art_core.model import TrainableModel
-from art_core.sequences import trajectory_sequences
-from art_core.types import Trajectory
+from art_core.rollouts.records import Trajectory
+from art_core.training.sequences import trajectory_sequences
 from integrations import NothingCapturedError, current_scope, rollout
 from integrations.langgraph import TrainableGraph, chat_model, langgraph_rollout, patch_chat_model
 from tests.helpers_serving import served_fixture

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from art_core.logprobs import IGNORE_INDEX, sequence_targets, token_logprobs
+from art_core.training.logprobs import IGNORE_INDEX, sequence_targets, token_logprobs
 
 B, T, H, V = 3, 5, 8, 11
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from art_core.loss import LOSSES, LossBatch, LossConfig, compute_loss
+from art_core.training.loss import LOSSES, LossBatch, LossConfig, compute_loss
 
 NAMES = ["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 # Clip ranges chosen so that, with the noise in `make_case`, some tokens clip on both sides and some don't.

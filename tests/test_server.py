@@ -11,13 +11,13 @@ import httpx
 import openai
 import pytest
 
-from art_core.chat_template import render_prompt
-from art_core.engine import Completion, EngineConfig, TorchEngine
-from art_core.model_router import ServedModel, StaticRouter
-from art_core.models import LoadedModel
-from art_core.openai_format import build_choice
-from art_core.server import ServerHandle, create_app, serve_in_thread
-from art_core.types import turn_from_choice
+from art_core.engine.torch.engine import Completion, EngineConfig, TorchEngine
+from art_core.models.chat_template import render_prompt
+from art_core.models.loading import LoadedModel
+from art_core.rollouts.records import turn_from_choice
+from art_core.server.app import ServerHandle, create_app, serve_in_thread
+from art_core.server.openai_format import build_choice
+from art_core.server.router import ServedModel, StaticRouter
 
 MESSAGES: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
 WEATHER_TOOL: Any = {

@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 
 from art_core.backends.base import ModelSpec
 from art_core.capture import RolloutRecords
-from art_core.engine import EngineConfig
-from art_core.rollout_routes import records_response
-from art_core.server import ServerHandle, create_app, serve_in_thread
-from art_core.service import ModelService
-from art_core.training_api import create_server_app
+from art_core.engine.torch.engine import EngineConfig
+from art_core.host.routes import create_server_app
+from art_core.host.service import ModelService
+from art_core.server.app import ServerHandle, create_app, serve_in_thread
+from art_core.server.rollout_routes import records_response
 
 API_KEY = "fuzz-key"
 MODEL = "fuzz"
@@ -527,13 +527,13 @@ def error_of(response: httpx.Response) -> str:
     ],
 )
 def test_tools_and_tool_choice_that_are_not_objects_are_a_400(http: httpx.Client, fields: Any) -> None:
-    # Was a 500: AttributeError: 'str' object has no attribute 'get' (art_core.grammar).
+    # Was a 500: AttributeError: 'str' object has no attribute 'get' (art_core.engine.grammar).
     response = chat(http, **fields)
     assert response.status_code == 400 and "must look like" in error_of(response)
 
 
 def test_a_json_schema_response_format_that_is_not_an_object_is_a_400(http: httpx.Client) -> None:
-    # Was a 500: AttributeError on `spec.get("schema")` (art_core.openai_format.request_grammar).
+    # Was a 500: AttributeError on `spec.get("schema")` (art_core.server.openai_format.request_grammar).
     response = chat(http, response_format={"type": "json_schema", "json_schema": "x"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
 

@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
-from art_core.engine import EngineConfig, TorchEngine
-from art_core.model_router import ServedModel, StaticRouter
-from art_core.models import LoadedModel
-from art_core.server import ServerHandle, create_app, serve_in_thread
+from art_core.engine.torch.engine import EngineConfig, TorchEngine
+from art_core.models.loading import LoadedModel
+from art_core.server.app import ServerHandle, create_app, serve_in_thread
+from art_core.server.router import ServedModel, StaticRouter
 
 CAPACITY = 16
 MESSAGES: Any = [{"role": "user", "content": "Say hello."}]

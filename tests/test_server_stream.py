@@ -19,11 +19,11 @@ import pytest
 from langchain_openai import ChatOpenAI
 from pydantic import SecretStr
 
-from art_core.chat_stream import ChoiceText, StreamTextError, settled_content
-from art_core.engine import Completion, EngineConfig, GenerationRequest, TorchEngine
-from art_core.model_router import ServedModel, StaticRouter
-from art_core.models import LoadedModel
-from art_core.server import ServerHandle, create_app, serve_in_thread
+from art_core.engine.torch.engine import Completion, EngineConfig, GenerationRequest, TorchEngine
+from art_core.models.loading import LoadedModel
+from art_core.server.app import ServerHandle, create_app, serve_in_thread
+from art_core.server.chat_stream import ChoiceText, StreamTextError, settled_content
+from art_core.server.router import ServedModel, StaticRouter
 
 MESSAGES: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
 WEATHER_TOOL: Any = {

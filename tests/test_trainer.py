@@ -12,13 +12,13 @@ import torch
 from peft import PeftModel
 from torch import nn
 
-from art_core.batch import BatchTotals, PreparedBatch, collate, micro_batches, prepare_batch
-from art_core.config import TrainConfig
-from art_core.lora import LoRAConfig, attach_lora
-from art_core.loss import LossConfig
-from art_core.models import LoadedModel
-from art_core.trainer import Trainer
-from art_core.types import Trajectory, TrajectoryGroup, Turn
+from art_core.models.loading import LoadedModel
+from art_core.rollouts.records import Trajectory, TrajectoryGroup, Turn
+from art_core.training.batch import BatchTotals, PreparedBatch, collate, micro_batches, prepare_batch
+from art_core.training.config import TrainConfig
+from art_core.training.lora import LoRAConfig, attach_lora
+from art_core.training.loss import LossConfig
+from art_core.training.trainer import Trainer
 
 PAD = 0
 

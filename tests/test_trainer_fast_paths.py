@@ -9,15 +9,15 @@ import pytest
 import torch
 from torch import Tensor
 
-from art_core.batch import BatchTotals, PreparedBatch, collate, prepare_batch
-from art_core.config import TrainConfig
-from art_core.logprobs import IGNORE_INDEX, token_logprobs
-from art_core.lora import LoRAConfig, attach_lora
-from art_core.loss import LossConfig
-from art_core.models import LoadedModel, load_model
-from art_core.trainer import Trainer
-from art_core.training_forward import fused_lora
-from art_core.types import Trajectory, TrajectoryGroup, Turn
+from art_core.models.loading import LoadedModel, load_model
+from art_core.rollouts.records import Trajectory, TrajectoryGroup, Turn
+from art_core.training.batch import BatchTotals, PreparedBatch, collate, prepare_batch
+from art_core.training.config import TrainConfig
+from art_core.training.forward import fused_lora
+from art_core.training.logprobs import IGNORE_INDEX, token_logprobs
+from art_core.training.lora import LoRAConfig, attach_lora
+from art_core.training.loss import LossConfig
+from art_core.training.trainer import Trainer
 
 PAD = 0
 B, T, H, V = 3, 5, 8, 11

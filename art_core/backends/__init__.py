@@ -12,7 +12,7 @@ _EXPORTS = {
     "LocalBackend": "art_core.backends.local",
     "RemoteBackend": "art_core.backends.remote",
     "RemoteError": "art_core.backends.remote",
-    "ServingConfig": "art_core.service",
+    "ServingConfig": "art_core.host.service",
 }
 __all__ = [
     "Backend",
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from art_core.backends.base import Backend, InferenceInfo, TrainResult
     from art_core.backends.local import LocalBackend
     from art_core.backends.remote import RemoteBackend, RemoteError
-    from art_core.service import ServingConfig
+    from art_core.host.service import ServingConfig
 
 
 def __getattr__(name: str) -> Any:
