@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.types import TrajectoryGroup
 from autorl.judge import JudgeConfig, JudgeError, JudgeResponseError, as_judge_config, ask_judge
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from langchain_core.tracers.context import register_configure_hook
 from langgraph.pregel import Pregel
 
 from art_core.capture import ROLLOUT_ID_HEADER, active_rollout, server_root
-from art_core.rollouts.records import Trajectory
+from art_core.types import Trajectory
 from integrations.scope import NothingCapturedError
 
 if TYPE_CHECKING:

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from langgraph.pregel import Pregel
 
-from art_core.rollouts.records import Trajectory
+from art_core.types import Trajectory
 from integrations.chat_models import (
     _captured_calls,
     _Watch,

@@ -48,7 +48,7 @@ from art_core.capture import (
     trajectory_from_records,
     validate_rollout_id,
 )
-from art_core.rollouts.records import Trajectory
+from art_core.types import Trajectory
 
 if TYPE_CHECKING:
     from art_core.model import TrainableModel
