@@ -21,7 +21,7 @@ needed.
 It runs the model's own modules (embedding, norms, projections with their LoRA layers, MLPs,
 rotary embedding), so every weight and formula is the model's, and autograd sums the gradients
 that reach the prefix from every row. Values and gradients equal transformers' forward to float
-rounding (tests/test_packed_forward.py). Supported: `LlamaModel` and `Qwen2Model` bodies with full
+rounding (tests/training/test_packed_forward.py). Supported: `LlamaModel` and `Qwen2Model` bodies with full
 attention in every layer and no attention dropout (`supports_packed_forward`); anything else runs
 transformers' forward.
 """

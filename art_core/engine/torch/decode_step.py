@@ -15,7 +15,7 @@ the attention itself:
 Supported: `LlamaForCausalLM` and `Qwen2ForCausalLM` with full attention in every layer and no
 peft wrapping (the engine's merged serving copy). `supports_decode_step` says whether a model
 qualifies; anything else runs transformers' forward. The logits equal transformers' to float
-rounding (tests/test_decode_step.py).
+rounding (tests/engine/test_decode_step.py).
 """
 
 from __future__ import annotations

@@ -442,7 +442,7 @@ async def test_smollm2_tool_calls_and_results_are_captured(tmp_path: Path) -> No
     import asyncio
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "langgraph_agent.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "langgraph_agent.py"
     spec = importlib.util.spec_from_file_location("example_langgraph_agent", path)
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)

