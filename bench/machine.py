@@ -63,7 +63,7 @@ def machine_header() -> str:
     """One line: CPU model, core count, features, torch's ATen ISA, oneDNN's ISA, bf16 probes."""
     import torch
 
-    from art_core.precision import cpu_has_native_bf16, onednn_packs_bf16
+    from art_core.models.hardware import cpu_has_native_bf16, onednn_packs_bf16
 
     caps = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
     return (

@@ -133,9 +133,9 @@ def worker_ours(args: argparse.Namespace) -> None:
     import torch
 
     from art_core.backends.local import LocalBackend
-    from art_core.engine import EngineConfig
+    from art_core.engine.torch.engine import EngineConfig
     from art_core.model import TrainableModel
-    from art_core.models import resolve_model_path
+    from art_core.models.loading import resolve_model_path
 
     torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
@@ -195,8 +195,8 @@ def worker_sequential(args: argparse.Namespace) -> None:
     import torch
     from peft import PeftModel
 
-    from art_core.chat_template import render_prompt
-    from art_core.models import load_model
+    from art_core.models.chat_template import render_prompt
+    from art_core.models.loading import load_model
 
     torch.set_num_threads(args.threads)
     dtype = _dtype(args.dtype)
