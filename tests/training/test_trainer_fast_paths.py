@@ -219,8 +219,9 @@ def test_bf16_base_trains_with_fp32_lora_close_to_fp32(tiny_model: LoadedModel) 
     examples = one_group_batch(seed=6).examples
     mask = collate(examples, PAD)["mask"] > 0
     low_logprobs = trainer.compute_logprobs(examples)
-    torch.testing.assert_close(
-        low_logprobs[mask], reference.compute_logprobs(examples)[mask], rtol=0, atol=0.1
+    # bf16 rounds every layer's outputs: the bound is bf16's, over the model's reductions and depth
+    assert_close_to_model(
+        low_logprobs[mask], reference.compute_logprobs(examples)[mask], model, torch.bfloat16
     )
     metrics = trainer.train_step(PreparedBatch(examples=examples, metrics={}))
     assert metrics["trained"] == 1.0 and metrics["shared_prefix_tokens"] == 9
