@@ -4,6 +4,7 @@
 """
 
 from art_core.rollouts.groups import GatherError, GatherStats, gather_trajectories, gather_trajectory_groups
+from art_core.rollouts.messages import MessageList, Messages, Tools
 from art_core.rollouts.records import (
     ExceptionInfo,
     History,
@@ -23,8 +24,11 @@ __all__ = [
     "GatherStats",
     "History",
     "Message",
+    "MessageList",
+    "Messages",
     "MessagesAndChoices",
     "Tool",
+    "Tools",
     "Trajectory",
     "TrajectoryGroup",
     "Turn",

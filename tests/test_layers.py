@@ -39,7 +39,8 @@ FLOORS = {
     "rollouts": 1,
     "_lazy": 0,
 }
-PACKAGE_OF = {"types": "rollouts"}  # the ART-compatible facade belongs to the rollouts layer
+# The ART-compatible facades belong to the rollouts layer (`dev` holds only TypedDicts).
+PACKAGE_OF = {"types": "rollouts", "utils": "rollouts", "dev": "rollouts"}
 SERVER_MAY_IMPORT = {
     f"art_core.engine{suffix}" for suffix in ("", ".protocol", ".config", ".errors", ".sampling", ".grammar")
 }

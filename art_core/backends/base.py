@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -23,6 +23,8 @@ class ModelSpec(BaseModel):
     lora_rank: int = 8
     lora_alpha: int = 16
     trust_remote_code: bool = False
+    config: Any = None
+    """The model's user config as JSON values (`TrainableModel.config`), persisted in model.json."""
 
     @classmethod
     def from_model(cls, model: TrainableModel) -> ModelSpec:
@@ -33,6 +35,7 @@ class ModelSpec(BaseModel):
             lora_rank=model.lora_rank,
             lora_alpha=model.lora_alpha,
             trust_remote_code=model.trust_remote_code,
+            config=model.model_dump(mode="json", include={"config"})["config"],
         )
 
 
@@ -71,10 +74,13 @@ class Backend(Protocol):
         self,
         model: TrainableModel,
         groups: Sequence[TrajectoryGroup],
-        config: TrainConfig,
+        config: TrainConfig | None = None,
         *,
         on_progress: ProgressCallback | None = None,
-    ) -> TrainResult: ...
+        **art_kwargs: Any,
+    ) -> TrainResult:
+        """One step; `config=None` with ART 0.5's keyword arguments (`learning_rate=...`) also works."""
+        ...
 
     async def get_step(self, model: TrainableModel) -> int: ...
 

@@ -6,9 +6,10 @@ import asyncio
 import secrets
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from art_core.backends.base import InferenceInfo, ModelSpec, ProgressCallback, TrainResult
+from art_core.backends.art_compat import ArtBackendMixin, LocalTrainResult, log_result, resolve_train_config
+from art_core.backends.base import InferenceInfo, ModelSpec, ProgressCallback
 from art_core.capture import RolloutRecorder
 from art_core.engine.config import EngineConfig
 from art_core.host.service import ModelService, ServingConfig
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
-class LocalBackend:
+class LocalBackend(ArtBackendMixin):
     """Runs the engine, the trainer and an OpenAI-compatible server inside this process.
 
     The server binds 127.0.0.1 on a free port unless told otherwise. Bound anywhere else it
@@ -63,6 +64,11 @@ class LocalBackend:
         return self._server
 
     @property
+    def path(self) -> Path:
+        """The folder that holds every model's `<project>/models/<name>/`."""
+        return self.service.base_path
+
+    @property
     def base_url(self) -> str:
         return self._ensure_server().url + "/v1"
 
@@ -75,11 +81,21 @@ class LocalBackend:
         self,
         model: TrainableModel,
         groups: Sequence[TrajectoryGroup],
-        config: TrainConfig,
+        config: TrainConfig | None = None,
         *,
         on_progress: ProgressCallback | None = None,
-    ) -> TrainResult:
-        return await self.service.train(model.name, groups, config, on_progress)
+        **art_kwargs: Any,
+    ) -> LocalTrainResult:
+        """One step on `groups`: `train(model, groups, config)`, or ART 0.5's
+        `train(model, groups, learning_rate=..., ...)` (see `art_core.training.art_args`)."""
+        resolved, verbose = resolve_train_config(config, art_kwargs, where="LocalBackend.train")
+        result = await self.service.train(model.name, list(groups), resolved, on_progress)
+        if config is None:
+            log_result(result, verbose)
+        checkpoint = self.service.get(model.name).storage.checkpoint_dir(result.step)
+        return LocalTrainResult(
+            **result.model_dump(), checkpoint_path=str(checkpoint) if checkpoint.exists() else None
+        )
 
     async def get_step(self, model: TrainableModel) -> int:
         return self.service.get(model.name).step

@@ -28,6 +28,7 @@ from urllib.parse import quote
 import httpx
 from pydantic_core import to_jsonable_python
 
+from art_core.backends.art_compat import ArtBackendMixin, log_result, resolve_train_config
 from art_core.backends.base import InferenceInfo, ModelSpec, ProgressCallback, TrainResult
 from art_core.rollouts.records import TrajectoryGroup
 from art_core.training.config import TrainConfig
@@ -119,7 +120,7 @@ def normalize_base_url(base_url: str) -> str:
     return url.removesuffix("/v1")
 
 
-class RemoteBackend:
+class RemoteBackend(ArtBackendMixin):
     """The `Backend` of an `art serve` process: everything `LocalBackend` does, over HTTP.
 
     `api_key` defaults to `$ART_API_KEY`; `timeout` (seconds, None for none) bounds each wait
@@ -185,15 +186,30 @@ class RemoteBackend:
         self,
         model: TrainableModel,
         groups: Sequence[TrajectoryGroup],
-        config: TrainConfig,
+        config: TrainConfig | None = None,
         *,
         on_progress: ProgressCallback | None = None,
+        **art_kwargs: Any,
     ) -> TrainResult:
         """One step on the server; `on_progress` is called for each progress line it streams.
 
         If `on_progress` raises, the stream is dropped but the server still finishes the step.
+        ART 0.5's `train(model, groups, learning_rate=...)` works too (see `art_core.training.art_args`).
         """
-        body = encode_train_request(groups, config)
+        resolved, verbose = resolve_train_config(config, art_kwargs, where="RemoteBackend.train")
+        result = await self._train(model, groups, resolved, on_progress)
+        if config is None:
+            log_result(result, verbose)
+        return result
+
+    async def _train(
+        self,
+        model: TrainableModel,
+        groups: Sequence[TrajectoryGroup],
+        config: TrainConfig,
+        on_progress: ProgressCallback | None,
+    ) -> TrainResult:
+        body = encode_train_request(list(groups), config)
         headers = {"Content-Type": "application/json"}
         try:
             async with self._http().stream(

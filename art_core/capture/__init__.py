@@ -110,15 +110,17 @@ async def add_rollout_header_async(request: httpx.Request) -> None:
     add_rollout_header(request)
 
 
-def server_root(base_url: str) -> str:
-    """The server's root URL from an OpenAI base URL ending in `/v1`."""
+def server_root(base_url: str | None) -> str:
+    """The server's root URL from an OpenAI base URL ending in `/v1` (None: the model is not registered)."""
+    if base_url is None:
+        raise ValueError("no inference base URL: register the model first (`await model.register(backend)`)")
     url = base_url.rstrip("/")
     if not url.endswith("/v1"):
         raise ValueError(f"expected an OpenAI base URL ending in '/v1', got {base_url!r}")
     return url[: -len("/v1")]
 
 
-def rollout_base_url(base_url: str, rollout_id: str) -> str:
+def rollout_base_url(base_url: str | None, rollout_id: str) -> str:
     """The rollout-scoped OpenAI base URL: `<server>/rollouts/<id>/v1`."""
     return f"{server_root(base_url)}/rollouts/{validate_rollout_id(rollout_id)}/v1"
 

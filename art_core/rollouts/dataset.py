@@ -4,6 +4,12 @@
 (seeded by `seed` and the epoch number only), cut into batches of `groups_per_step` items; the
 last batch of an epoch may be smaller. Every batch has a global step number, so a resumed run
 that passes `initial_step=await model.get_step()` continues at exactly the same data position.
+
+ART compatibility: a `DatasetBatch` also unpacks as ART's older 4-tuple
+`for items, epoch, step, epoch_step in iterate_dataset(...)` (attribute access is preferred), and
+`use_tqdm=True` shows a tqdm bar (tqdm, not rich: rich allows one live display at a time, and the
+gather's bar runs while this one is open). Differences: an empty dataset raises instead of
+yielding nothing, the bar is off by default, and the shuffle is ours (seeded by `seed`).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 Item = TypeVar("Item")
 
@@ -29,6 +35,10 @@ class DatasetBatch(Generic[Item]):
     """Epoch number, from 0."""
     epoch_step: int
     """Step number within the epoch, from 0."""
+
+    def __iter__(self) -> Iterator[Any]:
+        """ART's older tuple order: `items, epoch, step, epoch_step = batch`."""
+        return iter((self.items, self.epoch, self.step, self.epoch_step))
 
 
 def steps_per_epoch(num_items: int, groups_per_step: int) -> int:
@@ -52,8 +62,11 @@ def iterate_dataset(
     initial_step: int = 0,
     seed: int = 0,
     shuffle: bool = True,
+    use_tqdm: bool = False,
 ) -> Iterator[DatasetBatch[Item]]:
     """Yield the batches of `num_epochs` passes over `items`, starting at global step `initial_step`.
+
+    `use_tqdm=True` shows a tqdm progress bar over all steps on stderr (ART's option).
 
     Raises:
         ValueError: an empty dataset, or a non-positive `groups_per_step`/`num_epochs`, or a
@@ -69,6 +82,27 @@ def iterate_dataset(
     if initial_step < 0:
         raise ValueError(f"initial_step must be >= 0, got {initial_step}")
     per_epoch = steps_per_epoch(len(data), groups_per_step)
+    batches = _batches(data, groups_per_step, num_epochs, initial_step, seed, shuffle, per_epoch)
+    if not use_tqdm:
+        yield from batches
+        return
+    from tqdm.auto import tqdm
+
+    with tqdm(initial=initial_step, total=per_epoch * num_epochs, desc="iterate_dataset", unit="step") as bar:
+        for batch in batches:
+            yield batch
+            bar.update(1)
+
+
+def _batches(
+    data: Sequence[Item],
+    groups_per_step: int,
+    num_epochs: int,
+    initial_step: int,
+    seed: int,
+    shuffle: bool,
+    per_epoch: int,
+) -> Iterator[DatasetBatch[Item]]:
     for epoch in range(initial_step // per_epoch, num_epochs):
         order = epoch_order(len(data), epoch, seed, shuffle)
         for epoch_step in range(per_epoch):

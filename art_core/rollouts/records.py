@@ -16,16 +16,15 @@ import math
 import time
 import traceback as traceback_module
 from collections.abc import Awaitable, Iterable, MutableSequence
-from typing import Any, overload
+from typing import Annotated, Any, overload
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-Message = dict[str, Any]
-"""An OpenAI chat message as a plain dict (`role`, `content`, optional `tool_calls`, ...)."""
+from art_core.rollouts.messages import Message, MessageList, Tool, as_message_list
 
-Tool = dict[str, Any]
-"""An OpenAI tool definition (`{"type": "function", "function": {...}}`)."""
+MessagesField = Annotated[list[Message], AfterValidator(as_message_list)]
+"""A list of message dicts, stored as a `MessageList`: `x.messages` is the list, `x.messages()` ART's call."""
 
 
 class Turn(BaseModel):
@@ -57,9 +56,12 @@ class Turn(BaseModel):
 class History(BaseModel):
     """A conversation that does not continue the main one (another LLM node, a sub-agent)."""
 
-    messages: list[Message] = Field(default_factory=list)
+    messages: MessagesField = Field(default_factory=MessageList)
     tools: list[Tool] | None = None
     turns: list[Turn] = Field(default_factory=list)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, as_message_list(value) if name == "messages" else value)
 
 
 def turn_from_choice(choice: Any) -> tuple[Message, Turn | None]:
@@ -108,8 +110,11 @@ class Trajectory(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    messages: list[Message] = Field(default_factory=list)
-    """The conversation in OpenAI format, including assistant tool calls and tool results."""
+    messages: MessagesField = Field(default_factory=MessageList)
+    """The conversation in OpenAI format, including assistant tool calls and tool results.
+
+    A list (preferred: `trajectory.messages`); calling it, `trajectory.messages()`, is ART's
+    method and returns a copy."""
     tools: list[Tool] | None = None
     """The tools the agent was offered (shown to judges, rendered into prompts)."""
     turns: list[Turn] = Field(default_factory=list)
@@ -128,6 +133,9 @@ class Trajectory(BaseModel):
         if messages_and_choices is not None:
             data["messages_and_choices"] = messages_and_choices
         super().__init__(**data)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, as_message_list(value) if name == "messages" else value)
 
     @model_validator(mode="before")
     @classmethod

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field, replace
 
 from art_core.training.loss import LossConfig
 from art_core.training.precision import PRECISIONS, MatmulPrecision
@@ -33,8 +33,17 @@ class TrainConfig:
     """How float32 matmuls are computed while training (weights and optimizer stay float32):
     "auto" is bf16 inputs with float32 accumulation on CPUs with native bf16 (AVX512-BF16/AMX),
     TF32 on CUDA GPUs and exact float32 elsewhere; "ieee" is always exact; see `art_core.training.precision`."""
+    beta: InitVar[float | None] = None
+    """ART 0.4's KL coefficient (a k3 KL term in the loss, to the base model): sets `loss.kl_coef`.
+    Not stored; `loss.kl_coef` is the field."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, beta: float | None) -> None:
+        if beta is not None:
+            if self.loss.kl_coef not in (0.0, beta):
+                raise ValueError(
+                    f"beta={beta} and loss.kl_coef={self.loss.kl_coef} disagree; set one of them"
+                )
+            object.__setattr__(self, "loss", replace(self.loss, kl_coef=float(beta)))
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"learning_rate must be a positive finite number, got {self.learning_rate}")
         if self.max_grad_norm <= 0:

@@ -1,0 +1,43 @@
+"""Summary metrics of a split's trajectory groups, as `model.log` writes them to history.jsonl."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable
+
+from art_core.rollouts.records import Trajectory, TrajectoryGroup
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def split_metrics(groups: Iterable[TrajectoryGroup], split: str) -> dict[str, float]:
+    """`{split}/reward`, `/reward_std_dev` (mean within-group population std), `/exception_rate`,
+    `/num_trajectories`, `/num_groups` and the mean of each trajectory metric, as ART logs them.
+
+    Trajectories without a reward are left out of the reward means (and counted in
+    `{split}/unrewarded`), never counted as 0.
+    """
+    groups = list(groups)
+    trajectories: list[Trajectory] = [t for g in groups for t in g.trajectories]
+    rewards = [float(t.reward) for t in trajectories if t.reward is not None]
+    stds = [
+        statistics.pstdev(r)
+        for g in groups
+        if len(r := [float(t.reward) for t in g.trajectories if t.reward is not None]) > 1
+    ]
+    exceptions = sum(len(g.exceptions) for g in groups)
+    out = {
+        f"{split}/reward": _mean(rewards),
+        f"{split}/reward_std_dev": _mean(stds),
+        f"{split}/exception_rate": exceptions / max(exceptions + len(trajectories), 1),
+        f"{split}/num_trajectories": float(len(trajectories)),
+        f"{split}/num_groups": float(len(groups)),
+        f"{split}/unrewarded": float(len(trajectories) - len(rewards)),
+    }
+    names = sorted({k for t in trajectories for k in t.metrics})
+    for name in names:
+        out[f"{split}/{name}"] = _mean([float(t.metrics[name]) for t in trajectories if name in t.metrics])
+    return out
