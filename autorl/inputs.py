@@ -113,8 +113,8 @@ def normalise(text: str) -> str:
 def dedupe(texts: Sequence[str], *, threshold: float = 90.0) -> list[int]:
     """Indices of the texts to keep: the first of each group of exact or near duplicates.
 
-    Exact: equal after `normalise`. Near: rapidfuzz `token_sort_ratio` >= `threshold` (0-100)
-    against any kept text (word order and small edits do not make a text new).
+    Exact: equal after `normalise`. Near: rapidfuzz `ratio` or `token_sort_ratio` >= `threshold`
+    (0-100) against any kept text (small edits and word order do not make a text new).
     """
     from rapidfuzz import fuzz, process
 
@@ -127,8 +127,9 @@ def dedupe(texts: Sequence[str], *, threshold: float = 90.0) -> list[int]:
         norm = normalise(text)
         if not norm or norm in seen:
             continue
-        if kept_norm and process.extractOne(
-            norm, kept_norm, scorer=fuzz.token_sort_ratio, score_cutoff=threshold
+        if kept_norm and any(
+            process.extractOne(norm, kept_norm, scorer=scorer, score_cutoff=threshold)
+            for scorer in (fuzz.ratio, fuzz.token_sort_ratio)
         ):
             continue
         seen.add(norm)
