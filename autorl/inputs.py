@@ -46,7 +46,7 @@ ANGLES = (
 
 INPUT_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "properties": {"input": {"type": "string", "minLength": 3, "maxLength": 280}},
+    "properties": {"input": {"type": "string", "minLength": 3, "maxLength": 200}},
     "required": ["input"],
     "additionalProperties": False,
 }

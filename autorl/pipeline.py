@@ -155,10 +155,12 @@ class AutoRLResult:
         }
 
 
-def as_endpoint(value: Endpoint | None, own: JudgeConfig, *, temperature: float) -> JudgeConfig:
+def as_endpoint(
+    value: Endpoint | None, own: JudgeConfig, *, temperature: float, max_tokens: int | None = None
+) -> JudgeConfig:
     """A JudgeConfig from a model string, a config, or None (the model's own server)."""
     if value is None:
-        return replace(own, temperature=temperature)
+        return replace(own, temperature=temperature, max_tokens=max_tokens or own.max_tokens)
     if isinstance(value, str):
         return JudgeConfig(model=value, temperature=temperature)
     return value
@@ -347,7 +349,7 @@ async def _run(
 ) -> AutoRLResult:
     own = own_server(model)
     judge = as_endpoint(judge_value, own, temperature=0.0)
-    generator = as_endpoint(generator_value, own, temperature=0.7)
+    generator = as_endpoint(generator_value, own, temperature=0.7, max_tokens=1024)
     notes = [WEAK_DEFAULT_NOTE] if judge_value is None or generator_value is None else []
     for note in notes:
         emit("note", {"text": note})
@@ -458,7 +460,11 @@ async def make_inputs(
         await trainable.register(backend)
         emit("note", {"text": WEAK_DEFAULT_NOTE})
         return await prepare_inputs(
-            task, config, as_endpoint(None, own_server(trainable), temperature=0.7), None, emit
+            task,
+            config,
+            as_endpoint(None, own_server(trainable), temperature=0.7, max_tokens=1024),
+            None,
+            emit,
         )
     finally:
         await backend.close()
