@@ -17,6 +17,7 @@ _EXPORTS = {
     "ruler": "autorl.ruler",
     "ruler_score_group": "autorl.ruler",
     "scored_groups": "autorl.ruler",
+    "RulerConfig": "autorl.judging",
     "JudgeConfig": "autorl.judge",
     "JudgeError": "autorl.judge",
     "JudgeResponseError": "autorl.judge",
@@ -27,6 +28,7 @@ __all__ = [
     "JudgeConfig",
     "JudgeError",
     "JudgeResponseError",
+    "RulerConfig",
     "TrajectoryScore",
     "build_judge_messages",
     "judge_response_schema",
@@ -38,6 +40,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from autorl.judge import JudgeConfig, JudgeError, JudgeResponseError
+    from autorl.judging import RulerConfig
     from autorl.ruler import (
         DEFAULT_RUBRIC,
         TrajectoryScore,
