@@ -2,10 +2,11 @@
 
 - "sampled" (OpenPipe ART's RULER): one call; the judge writes JSON with an explanation and a
   number in [0, 1] for every trajectory. Needs a judge that follows instructions well.
-- "weighted" (G-Eval style): one call per distinct trajectory; the judge answers one digit on
-  a 1..`scale_max` scale, and the score is the digit's expected value under the judge's own top
-  logprobs, mapped to [0, 1]. A small judge that samples "3" for everything still puts more
-  probability on higher digits for better replies, so the group keeps a signal.
+- "weighted" (G-Eval style): one call per distinct trajectory; the judge answers one token of a
+  fixed scale (`RulerConfig.scale`: "No"/"Yes" by default, or digits), and the score is the
+  label's expected position under the judge's own top logprobs, in [0, 1]. A small judge that
+  samples "No" for everything still puts more probability on "Yes" for better replies, so the
+  group keeps a signal.
 - "pairwise": two calls per pair of distinct trajectories (both orders, cancelling position
   bias); each call reads P("A") against P("B") from the top logprobs, and Bradley-Terry
   combines the soft wins into strengths; a trajectory's score is its mean probability of
@@ -31,6 +32,12 @@ from autorl.judge import JudgeConfig, is_local_judge
 JudgingMode = Literal["auto", "sampled", "weighted", "pairwise"]
 """How the judge scores a group (module docstring)."""
 
+YES_NO: tuple[str, ...] = ("No", "Yes")
+"""The weighted mode's default scale: P("Yes") is the score."""
+
+ONE_TO_FIVE: tuple[str, ...] = ("1", "2", "3", "4", "5")
+"""A five-point digit scale for the weighted mode (G-Eval's)."""
+
 LOCAL_MODE: JudgingMode = "weighted"
 """What `mode="auto"` uses for a local judge: the best mode of bench/ruler_agreement.py
 (docs/benchmarks.md, "RULER judge agreement")."""
@@ -43,8 +50,10 @@ class RulerConfig:
     mode: JudgingMode = "auto"
     """"sampled", "weighted", "pairwise", or "auto": `LOCAL_MODE` for a local judge, else
     "sampled" (module docstring)."""
-    scale_max: int = 5
-    """Weighted mode: the judge answers a digit from 1 to `scale_max` (2..9, one token each)."""
+    scale: tuple[str, ...] = YES_NO
+    """Weighted mode: the labels the judge answers with, worst first, each one token (`YES_NO`,
+    the default and the best measured for SmolLM2-135M, or e.g. `ONE_TO_FIVE`); the score is the
+    expected label position under the judge's probabilities, 0 (first) .. 1 (last)."""
     top_logprobs: int = 20
     """Weighted and pairwise modes: alternatives asked for at the answer token (1..20; OpenAI
     and our server allow up to 20). More makes it likelier every label is seen."""
@@ -54,10 +63,13 @@ class RulerConfig:
     def __post_init__(self) -> None:
         if self.mode not in get_args(JudgingMode):
             raise ValueError(f"RulerConfig.mode must be one of {get_args(JudgingMode)}, got {self.mode!r}")
-        if not 2 <= self.scale_max <= 9:
+        folded = [str(label).strip().lower() for label in self.scale]
+        if not 2 <= len(folded) <= 10 or not all(folded) or len(set(folded)) != len(folded):
             raise ValueError(
-                f"RulerConfig.scale_max must be 2..9 (one digit per label), got {self.scale_max}"
+                f"RulerConfig.scale must be 2..10 distinct non-empty labels (worst first, one token each, "
+                f"e.g. ('No', 'Yes') or ('1', '2', '3', '4', '5')), got {self.scale!r}"
             )
+        object.__setattr__(self, "scale", tuple(self.scale))
         if not 1 <= self.top_logprobs <= 20:
             raise ValueError(f"RulerConfig.top_logprobs must be 1..20, got {self.top_logprobs}")
         if self.max_concurrency < 1:
@@ -101,4 +113,13 @@ class Judgement:
     """True when "auto" fell back to "sampled" because the judge gave no label probabilities."""
 
 
-__all__ = ["LOCAL_MODE", "JudgingMode", "Judgement", "RulerConfig", "TrajectoryScore", "resolve_mode"]
+__all__ = [
+    "LOCAL_MODE",
+    "ONE_TO_FIVE",
+    "YES_NO",
+    "JudgingMode",
+    "Judgement",
+    "RulerConfig",
+    "TrajectoryScore",
+    "resolve_mode",
+]

@@ -19,16 +19,11 @@ from autorl.bradley_terry import bradley_terry, win_probabilities
 from autorl.judge import JudgeConfig, JudgeError
 from autorl.judging import Judgement, RulerConfig, TrajectoryScore
 from autorl.label_probs import LabelAnswer, ask_label_probs
-from autorl.transcript import plain_text, shared_context_length, tools_text
+from autorl.transcript import context_text, reply_text, shared_context_length, tools_text
 
 SYSTEM_PROMPT = """\
-You compare two replies of an AI assistant to the same conversation and say which one is better: \
-the one that does more correctly what the conversation asks.
-
 Grading standards:
-{rubric}
-
-Answer with one letter: A if reply A is better, B if reply B is better."""
+{rubric}"""
 """The pairwise judge's system prompt; `{rubric}` is replaced by the grading standards."""
 
 LABELS = ("A", "B")
@@ -42,17 +37,13 @@ def build_pairwise_messages(
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The chat messages asking which of two replies (after the shared `context`) is better; pure."""
-    blocks = []
-    if tools:
-        blocks.append(f"<tools>\n{tools_text(tools)}\n</tools>")
-    if context:
-        blocks.append(f"<conversation>\n{plain_text(context)}\n</conversation>")
-    blocks.append(f"<reply A>\n{plain_text(reply_a)}\n</reply A>")
-    blocks.append(f"<reply B>\n{plain_text(reply_b)}\n</reply B>")
-    blocks.append("Which reply is better, A or B? Answer with one letter.")
+    blocks = [text for text in (tools_text(tools), context_text(context)) if text]
+    blocks.append(f"Reply A: {reply_text(reply_a)}")
+    blocks.append(f"Reply B: {reply_text(reply_b)}")
+    body = "\n\n".join(blocks) + "\n\nWhich reply is better, A or B? Answer with one letter."
     return [
         {"role": "system", "content": SYSTEM_PROMPT.format(rubric=rubric.strip())},
-        {"role": "user", "content": "\n\n".join(blocks)},
+        {"role": "user", "content": body},
     ]
 
 

@@ -65,7 +65,7 @@ def _tool_call_text(call: Mapping[str, Any]) -> str:
 
 
 def message_text(message: Mapping[str, Any]) -> str:
-    """One message as a line of plain text: `Role: content`, tool calls as `name(arguments)`."""
+    """One message as plain text: `Role: content`, tool calls as `calls name(arguments)`."""
     role = str(message.get("role", "?"))
     text = _content_text(message.get("content")).strip()
     if role == "tool":
@@ -76,22 +76,50 @@ def message_text(message: Mapping[str, Any]) -> str:
     return f"{role.capitalize()}: {text if text else '(empty)'}"
 
 
+def context_text(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The shared start of a conversation for a small judge: the agent's instructions as "The
+    assistant was told: ...", user turns as "Question: ...", the rest as `message_text`."""
+    lines = []
+    for message in messages:
+        role, text = message.get("role"), _content_text(message.get("content")).strip()
+        if role in ("system", "developer"):
+            lines.append(f"The assistant was told: {text}")
+        elif role == "user":
+            lines.append(f"Question: {text}")
+        else:
+            lines.append(message_text(message))
+    return "\n".join(lines)
+
+
+def reply_text(messages: Sequence[Mapping[str, Any]]) -> str:
+    """What a trajectory did after the shared context, as the judged reply: a single text reply
+    as it is, "(no reply)" for nothing or an empty one, several messages one `message_text` a line."""
+    if len(messages) == 1 and messages[0].get("role") == "assistant" and not messages[0].get("tool_calls"):
+        return _content_text(messages[0].get("content")).strip() or "(no reply)"
+    if not messages:
+        return "(no reply)"
+    return "\n" + "\n".join(message_text(m) for m in messages)
+
+
 def plain_text(messages: Sequence[Mapping[str, Any]]) -> str:
-    """Messages as plain text, one paragraph each (easier than JSON for a small judge)."""
-    return "\n\n".join(message_text(m) for m in messages) if messages else "(nothing)"
+    """Messages as plain text, one `message_text` a line."""
+    return "\n".join(message_text(m) for m in messages) if messages else "(nothing)"
 
 
 def tools_text(tools: Sequence[Mapping[str, Any]] | None) -> str:
-    """The tools as `name: description` lines ("" without tools)."""
+    """The tools as "Tools the assistant could call:" and `- name: description` lines ("" without)."""
     lines = []
     for tool in tools or ():
         function = tool.get("function") or {}
-        lines.append(f"- {function.get('name', '?')}: {function.get('description', '')}".rstrip(": "))
-    return "\n".join(lines)
+        description = str(function.get("description") or "").strip()
+        lines.append(f"- {function.get('name', '?')}" + (f": {description}" if description else ""))
+    return "Tools the assistant could call:\n" + "\n".join(lines) if lines else ""
 
 
 __all__ = [
     "common_prefix_length",
+    "context_text",
+    "reply_text",
     "json_lines",
     "message_text",
     "plain_text",
