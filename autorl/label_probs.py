@@ -36,6 +36,27 @@ class NoLabelProbabilitiesError(JudgeResponseError):
     of the labels was among its most likely answer tokens."""
 
 
+class NoLogprobsError(NoLabelProbabilitiesError):
+    """The judge's endpoint returned no logprobs at all (remembered per endpoint: `gives_no_logprobs`)."""
+
+
+_NO_LOGPROBS: set[tuple[str, str | None]] = set()
+"""Judge endpoints (model, URL) that answered without logprobs in this process."""
+
+_WITH_LOGPROBS: set[tuple[str, str | None]] = set()
+"""Judge endpoints that answered with logprobs in this process."""
+
+
+def gives_no_logprobs(config: JudgeConfig) -> bool:
+    """Whether this judge endpoint already answered without logprobs in this process."""
+    return (config.model, config.endpoint) in _NO_LOGPROBS
+
+
+def logprobs_known(config: JudgeConfig) -> bool:
+    """Whether this judge endpoint already answered with logprobs in this process."""
+    return (config.model, config.endpoint) in _WITH_LOGPROBS
+
+
 def label_probabilities(top: Mapping[str, float], labels: Sequence[str]) -> dict[str, float] | None:
     """P(label) renormalised over the labels found in `top` ({token: logprob}); None if none is."""
     wanted = {label.strip().lower(): label for label in labels}
@@ -69,7 +90,7 @@ class LabelAnswer:
 
 def _labels_found(answer_top: tuple[dict[str, float], ...] | None, labels: Sequence[str]) -> dict[str, float]:
     if not answer_top:
-        raise NoLabelProbabilitiesError(
+        raise NoLogprobsError(
             "the judge's endpoint returned no logprobs; this mode needs `logprobs`/`top_logprobs` "
             "(use RulerConfig(mode='sampled') for this judge)"
         )
@@ -116,13 +137,17 @@ async def ask_label_probs(
             if n < config.max_attempts:
                 await asyncio.sleep(config.retry_backoff_s * 2 ** (n - 1))
             continue
+        endpoint = (config.model, config.endpoint)
+        (_WITH_LOGPROBS if answer.top_logprobs else _NO_LOGPROBS).add(endpoint)
         try:
             probs = _labels_found(answer.top_logprobs, labels)
         except NoLabelProbabilitiesError as exc:
             reasons.append(f"attempt {n}: {exc}")
             answered = True
             if not answer.top_logprobs:
-                break
+                raise NoLogprobsError(
+                    f"judge {config.model} gave no label probabilities: {exc}", reasons, calls=n
+                ) from None
             conversation = [
                 *messages,
                 {"role": "assistant", "content": answer.text},
@@ -138,9 +163,46 @@ async def ask_label_probs(
     raise error(message, reasons, calls=calls)
 
 
+async def ask_labels_all(
+    config: JudgeConfig,
+    prompts: Sequence[list[dict[str, Any]]],
+    labels: Sequence[str],
+    *,
+    top_logprobs: int,
+    correction: str,
+    max_concurrency: int,
+) -> list[LabelAnswer | JudgeError]:
+    """`ask_label_probs` for every prompt, `max_concurrency` at a time; failures are returned, not
+    raised. An endpoint not yet seen to give logprobs is asked the first prompt alone first, and
+    one that gives none raises NoLogprobsError after that single call."""
+    limit = asyncio.Semaphore(max_concurrency)
+
+    async def one(prompt: list[dict[str, Any]]) -> LabelAnswer | JudgeError:
+        async with limit:
+            try:
+                return await ask_label_probs(
+                    config, prompt, labels, top_logprobs=top_logprobs, correction=correction
+                )
+            except NoLogprobsError:
+                raise
+            except JudgeError as exc:
+                return exc
+
+    if not prompts:
+        return []
+    first: list[LabelAnswer | JudgeError] = []
+    if not logprobs_known(config):
+        first = [await one(prompts[0])]
+    return first + list(await asyncio.gather(*(one(p) for p in prompts[len(first) :])))
+
+
 __all__ = [
     "LabelAnswer",
     "NoLabelProbabilitiesError",
+    "NoLogprobsError",
+    "ask_labels_all",
+    "gives_no_logprobs",
+    "logprobs_known",
     "ask_label_probs",
     "expected_value",
     "label_probabilities",

@@ -10,7 +10,6 @@ a pair with one failed order is scored from the other (the failure is counted).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 from autorl.bradley_terry import bradley_terry, win_probabilities
 from autorl.judge import JudgeConfig, JudgeError
 from autorl.judging import Judgement, RulerConfig, TrajectoryScore
-from autorl.label_probs import LabelAnswer, ask_label_probs
+from autorl.label_probs import LabelAnswer, ask_labels_all
 from autorl.transcript import context_text, reply_text, shared_context_length, tools_text
 
 SYSTEM_PROMPT = """\
@@ -75,22 +74,20 @@ async def judge_pairwise(
     prefix = shared_context_length(message_lists)
     context = message_lists[0][:prefix]
     correction = "Answer with the single letter A or B and nothing else."
-    limit = asyncio.Semaphore(settings.max_concurrency)
     orders = [o for i, j in itertools.combinations(range(n), 2) for o in ((i, j), (j, i))]
-
-    async def one(a: int, b: int) -> LabelAnswer | JudgeError:
-        prompt = build_pairwise_messages(
-            context, message_lists[a][prefix:], message_lists[b][prefix:], rubric, tools
-        )
-        async with limit:
-            try:
-                return await ask_label_probs(
-                    judge, prompt, LABELS, top_logprobs=settings.top_logprobs, correction=correction
-                )
-            except JudgeError as exc:
-                return exc
-
-    results = dict(zip(orders, await asyncio.gather(*(one(a, b) for a, b in orders)), strict=True))
+    prompts = [
+        build_pairwise_messages(context, message_lists[a][prefix:], message_lists[b][prefix:], rubric, tools)
+        for a, b in orders
+    ]
+    answers = await ask_labels_all(
+        judge,
+        prompts,
+        LABELS,
+        top_logprobs=settings.top_logprobs,
+        correction=correction,
+        max_concurrency=settings.max_concurrency,
+    )
+    results = dict(zip(orders, answers, strict=True))
     calls = sum(r.calls for r in results.values())
     errors = sum(r.errors for r in results.values())
     preferences = {o: r.probs["A"] for o, r in results.items() if isinstance(r, LabelAnswer)}

@@ -43,7 +43,7 @@ from typing import Any, Literal
 from art_core.types import TrajectoryGroup
 from autorl.judge import JudgeConfig, JudgeError, JudgeResponseError, as_judge_config, ask_judge
 from autorl.judging import Judgement, JudgingMode, RulerConfig, TrajectoryScore, resolve_mode
-from autorl.label_probs import NoLabelProbabilitiesError
+from autorl.label_probs import NoLabelProbabilitiesError, gives_no_logprobs
 from autorl.pairwise import judge_pairwise
 from autorl.transcript import common_prefix_length, json_lines, to_json
 from autorl.weighted import judge_weighted
@@ -120,7 +120,7 @@ def _score_item(trajectory_id: dict[str, Any], explanation_max_chars: int | None
         "properties": {
             "trajectory_id": trajectory_id,
             "explanation": explanation,
-            "score": {"type": "number", "minimum": 0, "maximum": 1},
+            "score": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.01},
         },
         "required": ["trajectory_id", "explanation", "score"],
         "additionalProperties": False,
@@ -141,7 +141,8 @@ def judge_response_schema(ids: Sequence[str], explanation_max_chars: int | None 
 
     Position k of `scores` must carry `trajectory_id` ids[k] (`prefixItems` with a `const` each,
     `items: false`, exactly len(ids) items), so a server with constrained decoding (ours,
-    llguidance) cannot answer a duplicate, unknown or missing id. OpenAI's strict mode rejects
+    llguidance) cannot answer a duplicate, unknown or missing id. Scores have two decimals at
+    most (`multipleOf` 0.01), so a small judge cannot run on writing digits until max_tokens. OpenAI's strict mode rejects
     `prefixItems`; such a judge is sent `judge_response_fallback_schema` instead.
     """
     positions = [_score_item({"type": "string", "const": i}, explanation_max_chars) for i in ids]
@@ -301,6 +302,8 @@ async def _judge_distinct(
     if mode == "sampled":
         return await _judge_sampled(unique, config, rubric, tools)
     judge_by_probs = judge_weighted if mode == "weighted" else judge_pairwise
+    if settings.mode == "auto" and gives_no_logprobs(config):
+        return dataclasses.replace(await _judge_sampled(unique, config, rubric, tools), fallback=True)
     try:
         return await judge_by_probs(unique, config, rubric, tools, settings)
     except NoLabelProbabilitiesError as exc:

@@ -12,13 +12,12 @@ user turn as "Question:", an empty reply as "(no reply)", and a yes/no question 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autorl.judge import JudgeConfig, JudgeError
 from autorl.judging import Judgement, RulerConfig, TrajectoryScore
-from autorl.label_probs import LabelAnswer, ask_label_probs
+from autorl.label_probs import LabelAnswer, ask_labels_all
 from autorl.transcript import context_text, reply_text, shared_context_length, tools_text
 
 SYSTEM_PROMPT = """Grading standards:
@@ -76,21 +75,15 @@ async def judge_weighted(
     prefix = shared_context_length(message_lists)
     labels = list(settings.scale)
     correction = f"Answer with one word: {' or '.join(labels)}."
-    limit = asyncio.Semaphore(settings.max_concurrency)
-
-    async def one(messages: Sequence[Mapping[str, Any]]) -> LabelAnswer | JudgeError:
-        prompt = build_weighted_messages(
-            messages[:prefix], messages[prefix:], rubric, labels, tools
-        )
-        async with limit:
-            try:
-                return await ask_label_probs(
-                    judge, prompt, labels, top_logprobs=settings.top_logprobs, correction=correction
-                )
-            except JudgeError as exc:
-                return exc
-
-    results = await asyncio.gather(*(one(m) for m in message_lists))
+    prompts = [build_weighted_messages(m[:prefix], m[prefix:], rubric, labels, tools) for m in message_lists]
+    results = await ask_labels_all(
+        judge,
+        prompts,
+        labels,
+        top_logprobs=settings.top_logprobs,
+        correction=correction,
+        max_concurrency=settings.max_concurrency,
+    )
     calls = sum(r.calls for r in results)
     failed = [(i, r) for i, r in enumerate(results, start=1) if isinstance(r, JudgeError)]
     if failed:

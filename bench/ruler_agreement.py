@@ -257,13 +257,12 @@ async def judge_all(items: list[Group], judge: Any, mode: str, concurrency: int)
 
     limit = asyncio.Semaphore(concurrency)
     tally = Tally([], [])
+    settings = RulerConfig(mode=mode)  # type: ignore[arg-type]
 
     async def one(group: Group) -> None:
         async with limit:
             try:
-                judgement = await judge_message_lists(
-                    group.message_lists, judge, config=RulerConfig(mode=mode)
-                )  # type: ignore[arg-type]
+                judgement = await judge_message_lists(group.message_lists, judge, config=settings)
             except JudgeError as exc:
                 logging.getLogger("bench").warning("%s judge failed on a group: %s", mode, str(exc)[:300])
                 tally.failures += 1
@@ -376,9 +375,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--judge-max-tokens", type=int, default=400, help="Longest sampled-JSON answer (local)"
     )
     parser.add_argument(
-        "--explanation-max-chars", type=int, default=80, help="Local sampled judge's explanation bound"
+        "--explanation-max-chars", type=int, default=40, help="Local sampled judge's explanation bound"
     )
-    parser.add_argument("--concurrency", type=int, default=4, help="Groups judged at once")
+    parser.add_argument("--concurrency", type=int, default=8, help="Groups judged at once")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the shown order")
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]

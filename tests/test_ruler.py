@@ -190,7 +190,12 @@ def test_response_schema_names_every_id_once_in_order() -> None:
         {"type": "string", "const": i} for i in ("1", "2", "3")
     ]
     for item in positions:
-        assert item["properties"]["score"] == {"type": "number", "minimum": 0, "maximum": 1}
+        assert item["properties"]["score"] == {
+            "type": "number",
+            "minimum": 0,
+            "maximum": 1,
+            "multipleOf": 0.01,
+        }
         assert set(item["required"]) == {"trajectory_id", "explanation", "score"}
         assert item["additionalProperties"] is False
 
@@ -229,6 +234,7 @@ def test_any_answer_constrained_to_the_schema_is_valid(tiny_model: Any, seed: in
         raise AssertionError("the grammar never completed")
     scores = parse_scores(tokenizer.decode(tokens), ids)
     assert [s.trajectory_id for s in scores] == ids and all(0 <= s.score <= 1 for s in scores)
+    assert all(round(s.score, 2) == s.score for s in scores)  # multipleOf 0.01
 
 
 # -- parse_scores -------------------------------------------------------------------------------

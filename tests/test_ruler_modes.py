@@ -21,7 +21,7 @@ from art_core.types import Trajectory, TrajectoryGroup
 from autorl.bradley_terry import bradley_terry, win_probabilities
 from autorl.judge import JudgeConfig, clear_memory_cache
 from autorl.judging import LOCAL_MODE, ONE_TO_FIVE, RulerConfig, resolve_mode
-from autorl.label_probs import NoLabelProbabilitiesError, label_probabilities
+from autorl.label_probs import NoLabelProbabilitiesError, NoLogprobsError, label_probabilities
 from autorl.pairwise import build_pairwise_messages, pairwise_scores
 from autorl.ruler import DEFAULT_RUBRIC, judge_message_lists, ruler, ruler_score_group
 from autorl.weighted import build_weighted_messages, weighted_score
@@ -199,9 +199,9 @@ async def test_judge_without_logprobs_fails_at_once(
 ) -> None:
     server = scripted_judge_server
     server.responder = lambda body: Reply("Yes")  # answers, but sends no logprobs
-    with pytest.raises(NoLabelProbabilitiesError, match="returned no logprobs") as info:
+    with pytest.raises(NoLogprobsError, match="returned no logprobs") as info:
         await ruler(lists(), judge_for(server, transport), config=WEIGHTED)
-    assert info.value.calls == 3 and len(server.requests) == 3  # one per trajectory, no retries
+    assert info.value.calls == 1 and len(server.requests) == 1  # the first call alone tells; no retries
 
 
 async def test_auto_falls_back_to_sampled_json_for_a_local_judge_without_logprobs(
@@ -213,8 +213,12 @@ async def test_auto_falls_back_to_sampled_json_for_a_local_judge_without_logprob
     server.responder = lambda body: Reply("Yes") if body.get("logprobs") else Reply(sampled)
     scored = await ruler_score_group(group(), judge_for(server, "openai"))  # mode "auto", local URL
     assert [t.reward for t in scored.trajectories] == [0.9, 0.2, 0.1]
-    assert scored.metrics["judge_fallbacks"] == 1 and scored.metrics["judge_calls"] == 4
-    assert scored.metrics["judge_errors"] == 3 and "'sampled'" in scored.logs[-1]
+    assert scored.metrics["judge_fallbacks"] == 1 and scored.metrics["judge_calls"] == 2
+    assert scored.metrics["judge_errors"] == 1 and "'sampled'" in scored.logs[-1]
+    # remembered for this endpoint: the next group goes straight to sampled JSON
+    again = await ruler_score_group(group(), judge_for(server, "openai", cache=False))
+    assert again.metrics["judge_fallbacks"] == 1 and again.metrics["judge_calls"] == 1
+    assert [bool(r.get("logprobs")) for r in server.requests] == [True, False, False]
 
 
 async def test_weighted_timeouts_are_retried_and_counted(
