@@ -104,6 +104,13 @@ def train(
     judge_api_key: Annotated[
         str | None, typer.Option(help="API key for --judge-base-url.", show_default=False)
     ] = None,
+    judge_mode: Annotated[
+        str,
+        typer.Option(
+            help="How RULER asks the judge: auto (probability-weighted for a local judge, sampled JSON "
+            "for a remote one), sampled, weighted or pairwise.",
+        ),
+    ] = "auto",
     generator: GeneratorOpt = None,
     generator_base_url: GeneratorUrlOpt = None,
     generator_api_key: GeneratorKeyOpt = None,
@@ -160,6 +167,7 @@ def train(
         config = AutoRLConfig(
             out=out, steps=steps, group_size=group_size, groups_per_step=groups_per_step, num_inputs=num_inputs,
             max_tokens=max_tokens, multi_turn=multi_turn, learning_rate=learning_rate, system_prompt=system_prompt, seed=seed,
+            judge_mode=judge_mode,  # type: ignore[arg-type]  # checked by AutoRLConfig
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autorl.judge import JudgeConfig, JudgeError
+from autorl.judging import RulerConfig
 from autorl.ruler import DEFAULT_RUBRIC, TooFewTrajectoriesError, ruler
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,12 @@ def order_outcome(trained_score: float, baseline_score: float) -> float:
 
 
 async def _judge_pair(
-    prompt: Messages, trained: Answer, baseline: Answer, judge: JudgeConfig | str, rubric: str
+    prompt: Messages,
+    trained: Answer,
+    baseline: Answer,
+    judge: JudgeConfig | str,
+    rubric: str,
+    ruler_config: RulerConfig | None,
 ) -> tuple[float | None, int]:
     """(outcome, failed judgements) for one prompt."""
     a = [*map(dict, prompt), *_as_messages(trained)]
@@ -102,7 +108,7 @@ async def _judge_pair(
     for first_is_trained in (True, False):
         pair = [a, b] if first_is_trained else [b, a]
         try:
-            scores = await ruler(pair, judge, rubric)
+            scores = await ruler(pair, judge, rubric, config=ruler_config)
         except (JudgeError, TooFewTrajectoriesError) as exc:
             logger.warning("head-to-head judgement failed: %s", exc)
             errors += 1
@@ -124,11 +130,13 @@ async def head_to_head(
     judge: JudgeConfig | str,
     rubric: str = DEFAULT_RUBRIC,
     concurrency: int = 4,
+    ruler_config: RulerConfig | None = None,
 ) -> HeadToHead:
     """Judge each prompt's trained answer against its baseline answer in both orders.
 
     `prompts` are the messages both models saw (system prompt, first user message); answers are
-    texts or the messages that followed. Raises ValueError when the three lists differ in length.
+    texts or the messages that followed. `ruler_config` chooses RULER's judging mode (default
+    "auto"). Raises ValueError when the three lists differ in length.
     """
     if not len(prompts) == len(trained_answers) == len(baseline_answers):
         raise ValueError(
@@ -141,7 +149,9 @@ async def head_to_head(
 
     async def one(i: int) -> tuple[float | None, int]:
         async with semaphore:
-            return await _judge_pair(prompts[i], trained_answers[i], baseline_answers[i], judge, rubric)
+            return await _judge_pair(
+                prompts[i], trained_answers[i], baseline_answers[i], judge, rubric, ruler_config
+            )
 
     results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
     return summarise([o for o, _ in results], sum(e for _, e in results))

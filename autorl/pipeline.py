@@ -34,6 +34,7 @@ from autorl.inputs import (
     save_inputs,
 )
 from autorl.judge import JudgeConfig
+from autorl.judging import JudgingMode, RulerConfig
 from autorl.loop import LoopConfig, read_history, train_loop
 from autorl.report import write_report
 from autorl.rollout import chat_rollout
@@ -89,6 +90,9 @@ class AutoRLConfig:
     """Sampling temperature of the head-to-head answers (0: greedy, so reruns agree)."""
     rubric: str | None = None
     """RULER's grading standards; default: the standard rubric plus the task description."""
+    judge_mode: JudgingMode = "auto"
+    """How RULER asks the judge (`autorl.RulerConfig.mode`): "auto" (probability-weighted for a
+    local judge, sampled JSON for a remote one), "sampled", "weighted" or "pairwise"."""
     system_prompt: str | None = None
     """The trained model's system prompt; None lets the generator write one."""
     seed: int = 0
@@ -107,6 +111,7 @@ class AutoRLConfig:
             raise ValueError(f"num_inputs must be >= 2 (one train, one validation), got {self.num_inputs}")
         if self.multi_turn < 0:
             raise ValueError(f"multi_turn must be >= 0, got {self.multi_turn}")
+        RulerConfig(mode=self.judge_mode)  # raises a ValueError naming the modes
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must be between 0 and 1, got {self.val_fraction}")
 
@@ -277,6 +282,7 @@ async def evaluate(
         [t.messages[2:] for t in baseline],
         judge=judge,
         rubric=rubric,
+        ruler_config=RulerConfig(mode=config.judge_mode),
     )
     examples = [
         {
@@ -365,7 +371,9 @@ async def _run(
         )  # fmt: skip
 
     async def score(group: Any) -> Any:
-        return await ruler_score_group(group, judge, rubric, on_error="count")
+        return await ruler_score_group(
+            group, judge, rubric, on_error="count", config=RulerConfig(mode=config.judge_mode)
+        )
 
     loop_config = LoopConfig(
         steps=config.steps,

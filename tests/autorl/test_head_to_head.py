@@ -12,8 +12,11 @@ import pytest
 
 from autorl.head_to_head import head_to_head, order_outcome, summarise, wilson_interval
 from autorl.judge import clear_memory_cache
+from autorl.judging import RulerConfig
 from tests.helpers_scripted import Reply, ScriptedLLM, scripted_server
 
+SAMPLED = RulerConfig(mode="sampled")
+"""The scripted judge answers JSON only (no logprobs): "auto" would spend a reply probing it."""
 PROMPT = [{"role": "system", "content": "Be formal."}, {"role": "user", "content": "hey whats up"}]
 
 
@@ -53,7 +56,9 @@ async def test_a_judge_that_prefers_the_better_answer(scripted_judge: ScriptedLL
     scripted_judge.responder = prefer_good
     trained = ["GOOD: Good afternoon.", "GOOD reply", "same"]
     baseline = ["yo", "meh", "same"]
-    result = await head_to_head([PROMPT] * 3, trained, baseline, judge=scripted_judge.config())
+    result = await head_to_head(
+        [PROMPT] * 3, trained, baseline, judge=scripted_judge.config(), ruler_config=SAMPLED
+    )
     assert (result.wins, result.losses, result.ties, result.judge_errors) == (2, 0, 1, 0)
     assert (
         result.win_rate == pytest.approx(2.5 / 3) and len(scripted_judge.requests) == 4
@@ -67,7 +72,11 @@ async def test_a_judge_that_prefers_the_better_answer(scripted_judge: ScriptedLL
 async def test_position_bias_cancels_out(scripted_judge: ScriptedLLM) -> None:
     scripted_judge.responder = lambda body: scores({"1": 1.0, "2": 0.0})
     result = await head_to_head(
-        [PROMPT] * 4, ["a", "b", "c", "d"], ["w", "x", "y", "z"], judge=scripted_judge.config()
+        [PROMPT] * 4,
+        ["a", "b", "c", "d"],
+        ["w", "x", "y", "z"],
+        judge=scripted_judge.config(),
+        ruler_config=SAMPLED,
     )
     assert (result.wins, result.losses, result.ties) == (0, 0, 4) and result.win_rate == 0.5
 
@@ -75,7 +84,9 @@ async def test_position_bias_cancels_out(scripted_judge: ScriptedLLM) -> None:
 @pytest.mark.parametrize("transport", ["openai", "litellm"])
 async def test_judge_garbage_is_counted_not_scored(scripted_judge: ScriptedLLM, transport: str) -> None:
     scripted_judge.responder = lambda body: "I think the first one is better."
-    result = await head_to_head([PROMPT] * 2, ["a", "b"], ["x", "y"], judge=scripted_judge.config(transport))
+    result = await head_to_head(
+        [PROMPT] * 2, ["a", "b"], ["x", "y"], judge=scripted_judge.config(transport), ruler_config=SAMPLED
+    )
     assert result.judged == 0 and result.win_rate is None and result.judge_errors == 4
     assert result.outcomes == (None, None) and (result.ci_low, result.ci_high) == (0.0, 1.0)
 
@@ -86,5 +97,7 @@ async def test_judge_timeouts_are_counted(scripted_judge: ScriptedLLM) -> None:
         {k: 0.9 if '"content": "a"' in v else 0.1 for k, v in trajectories(body).items()}
     )
     config = scripted_judge.config(max_attempts=1, extra_params={"timeout": 0.5})
-    result = await head_to_head([PROMPT] * 2, ["a", "a"], ["x", "x"], judge=config, concurrency=1)
+    result = await head_to_head(
+        [PROMPT] * 2, ["a", "a"], ["x", "x"], judge=config, concurrency=1, ruler_config=SAMPLED
+    )
     assert result.judge_errors == 2 and result.outcomes == (None, 1.0) and result.wins == 1

@@ -82,7 +82,7 @@ async def test_a_garbage_judge_is_counted_and_nothing_is_scored(tmp_path: Path) 
         result = await train(
             TASK, "tiny-random", judge=scripted_judge.config(), generator=scripted_judge.config(),
             inputs=inputs, out=tmp_path / "run", steps=2, group_size=2, groups_per_step=1, max_tokens=4,
-            system_prompt="You sell fruit.",
+            system_prompt="You sell fruit.", judge_mode="sampled",
         )  # fmt: skip
     assert result.steps == 2 and result.first_reward is None and result.judge_errors == 2
     # nothing trained, so the greedy answers of step 2 and step 0 are identical: a tie, no judge call
