@@ -41,7 +41,17 @@ FLOORS = {
 }
 PACKAGE_OF = {"types": "rollouts"}  # the ART-compatible facade belongs to the rollouts layer
 SERVER_MAY_IMPORT = {
-    f"art_core.engine{suffix}" for suffix in ("", ".protocol", ".config", ".errors", ".sampling", ".grammar")
+    f"art_core.engine{suffix}"
+    for suffix in (
+        "",
+        ".protocol",
+        ".config",
+        ".errors",
+        ".sampling",
+        ".grammar",
+        ".finish_reason",
+        ".detokenizer",
+    )
 }
 HOST_IMPORTERS = ("art_core.backends.local", "art_core.host", "art_core.app")
 HOST_IMPORTER_PACKAGES = {"art_core.backends"}  # backends/__init__ re-exports ServingConfig

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from art_core.engine.finish_reason import FinishReason
 from art_core.engine.grammar import (
     Grammar,
     GrammarError,
@@ -310,7 +311,7 @@ def build_choice(
     return {
         "index": index,
         "message": message,
-        "finish_reason": "tool_calls" if tool_calls else completion.finish_reason,
+        "finish_reason": FinishReason.TOOL_CALLS if tool_calls else completion.finish_reason,
         "logprobs": logprobs_content(completion, tokenizer) if with_logprobs else None,
         "prompt_token_ids": list(prompt_ids),
         "token_ids": list(completion.token_ids),

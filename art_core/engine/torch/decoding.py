@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from art_core.engine.finish_reason import FinishReason
 from art_core.engine.grammar import RowConstraint
 from art_core.engine.sampling import (
     SamplingParams,
@@ -58,9 +59,9 @@ class Completion:
     """Per sampled position, the `params.top_logprobs` most likely (id, logprob) pairs (empty lists if 0)."""
     text: str
     """Decoded completion, without the final eos/stop token and without the stop string (if hit)."""
-    finish_reason: str
-    """"stop" (eos, a stop id or a stop string), "length" (max_tokens or the context window) or
-    "abort" (its request was cancelled mid-decoding; nobody receives it)."""
+    finish_reason: FinishReason
+    """STOP (eos, a stop id or a stop string), LENGTH (max_tokens or the context window) or ABORT
+    (its request was cancelled mid-decoding; nobody receives it)."""
 
 
 @dataclass(eq=False)
@@ -79,12 +80,12 @@ class RowState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     constraint: RowConstraint | None = None
     """The row's grammar state when its request is constrained (JSON schema, forced tool call)."""
     on_token: Callable[[RowState], bool] | None = None
     """Called after each recorded token (finish_reason already decided), on the decoding thread:
-    streams it; returning False ends the row with finish_reason "abort" (its request was cancelled)."""
+    streams it; returning False ends the row with finish_reason ABORT (its request was cancelled)."""
 
     def push(self, token: int, logprob: float, top: list[tuple[int, float]], tokenizer: Any) -> None:
         """Record a sampled token and decide whether the row is finished."""
@@ -94,13 +95,13 @@ class RowState:
         if self.constraint is not None and token not in self.stop_ids:
             self.constraint.consume(token)
         if token in self.stop_ids:
-            self.finish_reason = "stop"
+            self.finish_reason = FinishReason.STOP
         elif self.params.stop and self._tail_has_stop(tokenizer):
-            self.finish_reason = "stop"
+            self.finish_reason = FinishReason.STOP
         elif len(self.token_ids) >= self.max_new:
-            self.finish_reason = "length"
+            self.finish_reason = FinishReason.LENGTH
         if self.on_token is not None and not self.on_token(self) and self.finish_reason is None:
-            self.finish_reason = "abort"
+            self.finish_reason = FinishReason.ABORT
 
     def _tail_has_stop(self, tokenizer: Any) -> bool:
         tail = self.token_ids[-stop_window_tokens(self.params.stop) :]
@@ -108,7 +109,7 @@ class RowState:
 
     def completion(self, tokenizer: Any) -> Completion:
         ids = self.token_ids
-        if self.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
+        if self.finish_reason is FinishReason.STOP and ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
         text = _decode(tokenizer, ids)
         cut = find_stop(text, self.params.stop)
@@ -117,7 +118,7 @@ class RowState:
             logprobs=list(self.logprobs),
             top_logprobs=list(self.top),
             text=text if cut is None else text[:cut],
-            finish_reason=self.finish_reason or "length",
+            finish_reason=self.finish_reason or FinishReason.LENGTH,
         )
 
 

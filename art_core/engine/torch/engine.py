@@ -88,6 +88,7 @@ from art_core.engine.errors import (
     InvalidRequestError,
     UnknownAdapterError,
 )
+from art_core.engine.finish_reason import FinishReason
 from art_core.engine.grammar import RowConstraint
 from art_core.engine.protocol import Engine
 from art_core.engine.sampling import row_seed
@@ -661,7 +662,7 @@ class TorchEngine:
             s,
             rows=s.rows + len(rows),
             tokens=s.tokens + sum(len(r.token_ids) for r in rows),
-            aborted=s.aborted + sum(r.finish_reason == "abort" for r in rows),
+            aborted=s.aborted + sum(r.finish_reason is FinishReason.ABORT for r in rows),
         )
         for row in rows:
             job = row.job
