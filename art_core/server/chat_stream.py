@@ -33,7 +33,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from art_core.engine.config import GenerationRequest
-from art_core.engine.sampling import find_stop
+from art_core.engine.detokenizer import IncrementalDetokenizer, held_prefix, settled_text
 from art_core.engine.torch.streaming import DeltaStream, RowDelta, token_stream
 from art_core.server.chat_completion import PreparedChat, chat_choice, prepare_chat
 from art_core.server.errors import engine_call, engine_error
@@ -51,64 +51,42 @@ class StreamTextError(RuntimeError):
     the ids into something that is not a prefix of the whole text)."""
 
 
-def _held_prefix(text: str, pattern: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `pattern`."""
-    for k in range(min(len(pattern) - 1, len(text)), 0, -1):
-        if text.endswith(pattern[:k]):
-            return k
-    return 0
-
-
 def settled_content(text: str, stop: Sequence[str], parse_tools: bool) -> str:
     """The part of a partial completion's text that is final content whatever tokens follow; pure."""
-    text = text.rstrip("\ufffd")
-    cut = find_stop(text, tuple(stop))
-    if cut is not None:
-        text = text[:cut]
-    held = max((_held_prefix(text, s) for s in stop), default=0)
-    if parse_tools:
-        tag = text.find(TOOL_CALL_TAG)
-        if tag >= 0:
-            text, held = text[:tag], 0
-        held = max(held, _held_prefix(text, TOOL_CALL_TAG))
-    text = text[: len(text) - held]
-    return text.strip() if parse_tools else text
+    return _tool_settled(settled_text(text, stop), parse_tools)
+
+
+def _tool_settled(text: str, parse_tools: bool) -> str:
+    """With tool parsing on: the content before a (possible) `<tool_call>`, stripped as parsed."""
+    if not parse_tools:
+        return text
+    tag = text.find(TOOL_CALL_TAG)
+    if tag >= 0:
+        text = text[:tag]
+    return text[: len(text) - held_prefix(text, TOOL_CALL_TAG)].strip()
 
 
 class ChoiceText:
     """The content of one streamed choice: what can be sent after each batch of new tokens.
 
-    Decoding is incremental (as vLLM's detokenizer): each batch decodes only the ids since the
-    previous batch, with the batch before as context (`ids[prefix:]` minus `ids[prefix:read]`, so
-    a tokenizer that treats a leading piece specially agrees with itself), and the text grows only
-    when it does not end in a half character.
+    The text is the choice's `IncrementalDetokenizer` (`art_core.engine.detokenizer`, what the
+    engine's `Completion.text` comes from): no half characters, cut at a stop string, a possible
+    partial stop held back; on top of it, the tool-call rules of the module docstring.
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str], parse_tools: bool) -> None:
-        self.tokenizer, self.stop, self.parse_tools = tokenizer, tuple(stop), parse_tools
-        self.ids: list[int] = []
-        self.text = ""
-        """The decoded text of `ids[:read]`."""
+        self.parse_tools = parse_tools
+        self.detokenizer = IncrementalDetokenizer(tokenizer, stop)
         self.sent = ""
-        self._prefix = self._read = 0
 
     def feed(self, token_ids: Sequence[int]) -> str:
         """Add the choice's new tokens (the row has not finished); the new content to send ("" if none)."""
-        self.ids.extend(token_ids)
-        context = self._decode(self.ids[self._prefix : self._read])
-        grown = self._decode(self.ids[self._prefix :])
-        if len(grown) <= len(context) or grown.endswith("\ufffd"):
+        if not self.detokenizer.feed(token_ids):
             return ""
-        self.text += grown[len(context) :]
-        self._prefix, self._read = self._read, len(self.ids)
-        settled = settled_content(self.text, self.stop, self.parse_tools)
+        settled = _tool_settled(self.detokenizer.settled(), self.parse_tools)
         if len(settled) <= len(self.sent):
             return ""
         return self._advance(settled)
-
-    def _decode(self, ids: list[int]) -> str:
-        # As `Completion.text` decodes (art_core.engine.torch.decoding), so that the texts agree.
-        return str(self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def rest(self, final_content: str | None) -> str:
         """The rest of the final content (the non-streamed choice's `message.content`)."""

@@ -21,16 +21,10 @@ from typing import Any
 
 import torch
 
+from art_core.engine.detokenizer import IncrementalDetokenizer
 from art_core.engine.finish_reason import FinishReason
 from art_core.engine.grammar import RowConstraint
-from art_core.engine.sampling import (
-    SamplingParams,
-    chosen_logprobs,
-    find_stop,
-    sample_next,
-    stop_window_tokens,
-    top_logprobs,
-)
+from art_core.engine.sampling import SamplingParams, chosen_logprobs, sample_next, top_logprobs
 from art_core.engine.torch.decode_step import decode_step, supports_decode_step
 from art_core.engine.torch.kv_cache import (
     cache_kwarg,
@@ -86,6 +80,9 @@ class RowState:
     on_token: Callable[[RowState], bool] | None = None
     """Called after each recorded token (finish_reason already decided), on the decoding thread:
     streams it; returning False ends the row with finish_reason ABORT (its request was cancelled)."""
+    detokenizer: IncrementalDetokenizer | None = None
+    """The row's text (made on first use): fed every token when the row has stop strings, else all
+    at once when the completion is asked for."""
 
     def push(self, token: int, logprob: float, top: list[tuple[int, float]], tokenizer: Any) -> None:
         """Record a sampled token and decide whether the row is finished."""
@@ -96,34 +93,39 @@ class RowState:
             self.constraint.consume(token)
         if token in self.stop_ids:
             self.finish_reason = FinishReason.STOP
-        elif self.params.stop and self._tail_has_stop(tokenizer):
+        elif self.params.stop and self._reaches_stop_string(token, tokenizer):
             self.finish_reason = FinishReason.STOP
         elif len(self.token_ids) >= self.max_new:
             self.finish_reason = FinishReason.LENGTH
         if self.on_token is not None and not self.on_token(self) and self.finish_reason is None:
             self.finish_reason = FinishReason.ABORT
 
-    def _tail_has_stop(self, tokenizer: Any) -> bool:
-        tail = self.token_ids[-stop_window_tokens(self.params.stop) :]
-        return find_stop(_decode(tokenizer, tail), self.params.stop) is not None
+    def _text(self, tokenizer: Any) -> IncrementalDetokenizer:
+        if self.detokenizer is None:
+            self.detokenizer = IncrementalDetokenizer(tokenizer, self.params.stop)
+        return self.detokenizer
+
+    def _reaches_stop_string(self, token: int, tokenizer: Any) -> bool:
+        text = self._text(tokenizer)
+        text.feed((token,))
+        return text.stopped
 
     def completion(self, tokenizer: Any) -> Completion:
+        """The row's completion, once `finish_reason` is set (asking again gives the same one)."""
         ids = self.token_ids
         if self.finish_reason is FinishReason.STOP and ids and ids[-1] in self.stop_ids:
-            ids = ids[:-1]
-        text = _decode(tokenizer, ids)
-        cut = find_stop(text, self.params.stop)
+            ids = ids[:-1]  # the stop id ends the row; it is not text
+        text = self._text(tokenizer)
+        if not text.finished:  # the stream asks when the row ends, the engine again to answer it
+            text.feed(ids[len(text.ids) :])
+            text.finish()
         return Completion(
             token_ids=list(self.token_ids),
             logprobs=list(self.logprobs),
             top_logprobs=list(self.top),
-            text=text if cut is None else text[:cut],
+            text=text.text,
             finish_reason=self.finish_reason or FinishReason.LENGTH,
         )
-
-
-def _decode(tokenizer: Any, ids: list[int]) -> str:
-    return str(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
 
 class DecodeBatch:
