@@ -14,7 +14,6 @@ enough have piled up.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +34,8 @@ from art_core.engine.torch.kv_cache import (
     row_layers,
 )
 from art_core.engine.torch.prefix_cache import PrefixCache, PrefixHit
+from art_core.engine.torch.scheduler import MIN_SHARED_PROMPT as MIN_SHARED_PROMPT
+from art_core.engine.torch.scheduler import shared_prompt_length as shared_prompt_length
 
 BASE_ADAPTER = "__base__"
 """peft's name for "no adapter" in a mixed-adapter batch."""
@@ -83,6 +84,11 @@ class RowState:
     detokenizer: IncrementalDetokenizer | None = None
     """The row's text (made on first use): fed every token when the row has stop strings, else all
     at once when the completion is asked for."""
+
+    @property
+    def cancelled(self) -> bool:
+        """Nobody waits for the row any more (its request was cancelled or already answered)."""
+        return bool(getattr(self.job, "done", False))
 
     def push(self, token: int, logprob: float, top: list[tuple[int, float]], tokenizer: Any) -> None:
         """Record a sampled token and decide whether the row is finished."""
@@ -391,20 +397,6 @@ class DecodeBatch:
         kept = keep.tolist()
         self.rows = [self.rows[i] for i in kept]
         self.adapter_names = [self.adapter_names[i] for i in kept]
-
-
-MIN_SHARED_PROMPT = 16
-"""Shortest common prompt prefix (tokens) that `DecodeBatch.prefill` runs once for all rows."""
-
-
-def shared_prompt_length(rows: list[RowState], minimum: int = MIN_SHARED_PROMPT) -> int:
-    """Leading prompt tokens common to all `rows` (at least 2, all of one adapter), leaving each
-    row at least one token of its own; 0 when that is below `minimum`."""
-    if len(rows) < 2 or len({r.adapter for r in rows}) != 1:
-        return 0
-    common = len(os.path.commonprefix([r.prompt_ids for r in rows]))
-    common = min(common, min(len(r.prompt_ids) for r in rows) - 1)
-    return common if common >= max(minimum, 1) else 0
 
 
 def _report(rows: list[RowState], finished: Callable[[list[RowState]], None] | None) -> None:
