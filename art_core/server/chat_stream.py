@@ -15,8 +15,8 @@ exact record; earlier chunks carry no token ids.
 
 `streamed_completion` is the `text/event-stream` response: it starts once the engine's first
 tokens are there (`art_core.engine.torch.streaming.token_stream`), so everything that fails before is a JSON
-error; a failure midway is an SSE `{"error": ...}` event and the stream ends without `[DONE]`. The
-whole response is handed to `record` before the last choice's last chunk is sent; closing the
+error; a failure midway is an SSE `{"error": ...}` event and the stream ends without `[DONE]`. Every
+choice (message and token record) is handed to `record` before the last choice's last chunk is sent; closing the
 response (the client gone) cancels the engine's rows.
 """
 
@@ -37,7 +37,7 @@ from art_core.engine.detokenizer import IncrementalDetokenizer, held_prefix, set
 from art_core.engine.torch.streaming import DeltaStream, RowDelta, token_stream
 from art_core.server.chat_completion import PreparedChat, chat_choice, prepare_chat
 from art_core.server.errors import engine_call, engine_error
-from art_core.server.openai_format import ChatCompletionRequest, build_response, logprobs_of
+from art_core.server.openai_format import ChatChoice, ChatCompletionRequest, build_response, logprobs_of
 from art_core.server.router import ModelRouter, ServedModel
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 async def streamed_completion(
-    router: ModelRouter, req: ChatCompletionRequest, record: Callable[[dict[str, Any]], None]
+    router: ModelRouter, req: ChatCompletionRequest, record: Callable[[list[ChatChoice]], None]
 ) -> StreamingResponse:
     """The SSE response; it starts once the first tokens are there, so earlier failures are JSON errors."""
     prepared = prepare_chat(router, req)
@@ -145,7 +145,7 @@ class _ChatStream:
     """One streamed chat completion: engine increments in, `chat.completion.chunk` events out."""
 
     def __init__(
-        self, req: ChatCompletionRequest, prepared: PreparedChat, record: Callable[[dict[str, Any]], None]
+        self, req: ChatCompletionRequest, prepared: PreparedChat, record: Callable[[list[ChatChoice]], None]
     ) -> None:
         self.req, self.prepared, self.record = req, prepared, record
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -154,7 +154,7 @@ class _ChatStream:
         self.texts = [
             ChoiceText(prepared.served.tokenizer, stop, prepared.parse_tools) for _ in range(self.n)
         ]
-        self.finals: dict[int, dict[str, Any]] = {}
+        self.finals: dict[int, ChatChoice] = {}
         self.include_usage = bool((req.stream_options or {}).get("include_usage"))
 
     async def events(self, stream: DeltaStream, first: list[RowDelta]) -> AsyncIterator[str]:
@@ -176,7 +176,7 @@ class _ChatStream:
                 increment = following
             if self.include_usage:
                 usage = build_response(
-                    self.req.model, list(self.finals.values()), len(self.prepared.prompt_ids)
+                    self.req.model, [c.body for c in self.finals.values()], len(self.prepared.prompt_ids)
                 )
                 yield sse({**self._envelope([]), "usage": usage["usage"]})
         except Exception as exc:
@@ -205,12 +205,11 @@ class _ChatStream:
             if not content and logprobs is None:
                 return None
             return self._chunk(delta.index, {"content": content} if content else {}, logprobs=logprobs)
-        choice = chat_choice(self.req, self.prepared, delta.index, delta.completion)
-        self.finals[delta.index] = choice
+        answered = chat_choice(self.req, self.prepared, delta.index, delta.completion)
+        self.finals[delta.index] = answered
         if len(self.finals) == self.n:  # recorded before the client can see the request end
-            choices = [self.finals[i] for i in range(self.n)]
-            self.record(build_response(self.req.model, choices, len(self.prepared.prompt_ids)))
-        message = choice["message"]
+            self.record([self.finals[i] for i in range(self.n)])
+        choice, message = answered.body, answered.message
         last: dict[str, Any] = {}
         if rest := text.rest(message["content"]):
             last["content"] = rest
