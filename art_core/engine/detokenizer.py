@@ -8,7 +8,7 @@ treats a leading piece specially agrees with itself), and its text grows only wh
 in a half UTF-8 character. It cuts the text at the first stop string and, until the row ends,
 holds back a tail that may still become one. Left out: special-token skipping (the text keeps
 them, as `skip_special_tokens=False`), tool-call parsing (the server's). Torch-free; see
-docs/architecture.md ("Streaming").
+docs/architecture.md ("The torch engine").
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
-"""Streamed chat completions: the text of a choice as it grows, and OpenAI's chunk and SSE framing.
+"""Streamed chat completions: the content of a choice as it grows, and OpenAI's chunk and SSE framing.
 
-A streamed choice must end up with exactly the content of the non-streamed one (`build_choice`),
-so `ChoiceText` only sends text that no later token can change:
-- not a trailing incomplete UTF-8 character (decoded as U+FFFD until its last byte arrives);
-- not a tail that could be the start of a stop string (the stop string and what follows are cut);
-- with tool parsing on: nothing from the first `<tool_call>` on, no leading whitespace and no
-  trailing whitespace yet (the parsed content is stripped), and no tail that could start the tag.
-When the choice ends, `rest(final_content)` is what is left of the final content. Tool calls are
-sent whole in the choice's last chunk, parsed exactly as in the non-streamed response.
-
-The last chunk of every choice also carries the same token fields as a non-streamed choice
-(`prompt_token_ids`, `token_ids`, `token_logprobs`, `served_model`), so a client can rebuild the
-exact record; earlier chunks carry no token ids.
-
-`streamed_completion` is the `text/event-stream` response: it starts once the engine's first
-tokens are there (`art_core.engine.torch.streaming.token_stream`), so everything that fails before is a JSON
-error; a failure midway is an SSE `{"error": ...}` event and the stream ends without `[DONE]`. Every
-choice (message and token record) is handed to `record` before the last choice's last chunk is sent; closing the
-response (the client gone) cancels the engine's rows.
+`ChoiceText` sends only content no later token can change, so a streamed choice ends up with
+exactly the plain one's content: its text is an `IncrementalDetokenizer` (no half characters, cut
+at a stop string, a possible partial stop held back), and with tool parsing on nothing from the
+first `<tool_call>` on and no whitespace the parsed content would strip. Tool calls and the token
+fields (`prompt_token_ids`, `token_ids`, ...) come whole in each choice's last chunk.
+`streamed_completion` starts the `text/event-stream` once the first tokens are there (earlier
+failures are JSON errors; later ones an SSE `{"error": ...}` without `[DONE]`), hands every
+`ChatChoice` to `record` before the last choice's last chunk, and cancels the engine's rows when
+the client leaves. See docs/architecture.md ("Streaming changes nothing recorded").
 """
 
 from __future__ import annotations

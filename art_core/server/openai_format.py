@@ -6,8 +6,9 @@ template's messages (`request_messages`), engine `SamplingParams` (`sampling_par
 decoding constraint (`request_grammar`: `response_format` or a forced `tool_choice`); what is
 wrong with it raises `APIError` 400.
 
-Out: `build_choice` (OpenAI's choice plus our token fields `prompt_token_ids`, `token_ids`,
-`token_logprobs`, `served_model`), `build_response` around the choices, `logprobs_of` (OpenAI's
+Out: `answered_choice` (a `ChatChoice`: the message, the `Turn` built from the engine's
+`Completion`, and the JSON choice with our token fields `prompt_token_ids`, `token_ids`,
+`token_logprobs`, `served_model`; `build_choice` is that JSON), `build_response` around them, `logprobs_of` (OpenAI's
 `logprobs` object, exact token bytes for byte-level BPE), `model_list` (the `/v1/models` body).
 The streamed `chat.completion.chunk` framing is in `art_core.server.chat_stream`.
 """

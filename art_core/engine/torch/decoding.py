@@ -9,7 +9,9 @@ prompt prefix and adapter (a shared system prompt; the n completions of a reques
 group) prefill that prefix once and copy its cache rows. Between steps, rows that arrived
 meanwhile can join the running batch (continuous batching): they are prefilled together and their cache is joined to the batch's
 (`art_core.engine.torch.kv_cache`); finished rows are reported at once and dropped from the batch once
-enough have piled up.
+enough have piled up. Each row's text and stop strings are its `IncrementalDetokenizer`'s
+(`art_core.engine.detokenizer`). Left out: which rows run or join (`scheduler`, `engine`). See
+docs/architecture.md ("The torch engine").
 """
 
 from __future__ import annotations
