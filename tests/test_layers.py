@@ -42,7 +42,17 @@ FLOORS = {
 # The ART-compatible facades belong to the rollouts layer (`dev` holds only TypedDicts).
 PACKAGE_OF = {"types": "rollouts", "utils": "rollouts", "dev": "rollouts"}
 SERVER_MAY_IMPORT = {
-    f"art_core.engine{suffix}" for suffix in ("", ".protocol", ".config", ".errors", ".sampling", ".grammar")
+    f"art_core.engine{suffix}"
+    for suffix in (
+        "",
+        ".protocol",
+        ".config",
+        ".errors",
+        ".sampling",
+        ".grammar",
+        ".finish_reason",
+        ".detokenizer",
+    )
 }
 HOST_IMPORTERS = ("art_core.backends.local", "art_core.host", "art_core.app")
 HOST_IMPORTER_PACKAGES = {"art_core.backends"}  # backends/__init__ re-exports ServingConfig

@@ -1,6 +1,6 @@
 """Inference engines: the `Engine` protocol the server calls, and its two implementations.
 
-`protocol` (Engine), `config` (GenerationRequest, EngineConfig, EngineStats), `errors`, `sampling`
+`protocol` (Engine), `finish_reason` (FinishReason), `config` (GenerationRequest, EngineConfig, EngineStats), `errors`, `sampling`
 (SamplingParams), `grammar` (constrained decoding) and `admission`; `torch/` holds TorchEngine
 (continuous batching, prefix cache, merged serving copy) and `vllm/` VLLMEngine.
 Lazy: the engines import torch (and vLLM where installed).
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from art_core.engine.errors import EngineOverloadedError as EngineOverloadedError
     from art_core.engine.errors import InvalidRequestError as InvalidRequestError
     from art_core.engine.errors import UnknownAdapterError as UnknownAdapterError
+    from art_core.engine.finish_reason import FinishReason as FinishReason
     from art_core.engine.protocol import Engine as Engine
     from art_core.engine.sampling import SamplingParams as SamplingParams
     from art_core.engine.torch.decoding import Completion as Completion
@@ -34,6 +35,7 @@ __all__, __getattr__ = lazy_exports(
         "art_core.engine.protocol": ("Engine",),
         "art_core.engine.config": ("GenerationRequest", "EngineConfig", "EngineStats"),
         "art_core.engine.sampling": ("SamplingParams",),
+        "art_core.engine.finish_reason": ("FinishReason",),
         "art_core.engine.errors": (
             "InvalidRequestError",
             "ContextLengthError",

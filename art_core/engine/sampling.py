@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from art_core.engine.detokenizer import find_stop as find_stop  # its home is the detokenizer
+
 MAX_TOP_LOGPROBS = 20
 """OpenAI's limit on `top_logprobs`; we keep the same one."""
 
@@ -268,18 +270,3 @@ def _sample_rows(
         )
     out[sampling] = picked
     return out
-
-
-def stop_window_tokens(stops: tuple[str, ...]) -> int:
-    """How many trailing tokens surely cover a stop string that ends at the newest token.
-
-    A character is at most 4 UTF-8 bytes and a token at least one byte, so a stop string of
-    s characters spans at most 4*s tokens, plus one token that may straddle its start.
-    """
-    return 4 * max((len(s) for s in stops), default=0) + 1
-
-
-def find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Index in `text` where the earliest stop string starts, or None if none occurs."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None

@@ -1,37 +1,13 @@
-"""The OpenAI-compatible HTTP server: `/v1/chat/completions`, `/v1/models`, `/health`, rollout capture.
+"""The OpenAI-compatible HTTP server's app: `create_app` assembles it, `serve_in_thread` runs it.
 
-Every choice carries, beside OpenAI's fields, the exact tokens it came from: `prompt_token_ids`,
-`token_ids` (sampled, including the final eos), `token_logprobs` (aligned with `token_ids`) and
-`served_model` (the name the client asked for, e.g. "agent-001@3"). Errors use OpenAI's JSON
-shape `{"error": {"message", "type", "param", "code"}}`: unknown model 404, bad parameters and
-prompts that do not fit 400, a wrong API key 401, engine failures 500. Overload (docs/architecture.md,
-"Bounded under load"): an engine at `EngineConfig.max_queued_rows` answers 429, more than
-`max_concurrent_requests` HTTP requests in flight (`ConcurrencyLimit`) or a closed engine 503,
-each with an integer `Retry-After`.
-
-Rollout capture (see `art_core.capture`): a chat completion sent with an `X-Rollout-Id` header, or
-to the rollout-scoped base URL `/rollouts/{id}/v1`, is recorded under that id; `GET
-/rollouts/{id}/records` reads the records and `DELETE /rollouts/{id}` returns and forgets them.
-
-`response_format` (`json_object`, `json_schema`) and `tool_choice` ("required" or a named
-function) are enforced by constrained decoding (`art_core.engine.grammar`).
-
-Streaming (`stream: true`): `text/event-stream` in OpenAI's `chat.completion.chunk` format. Each
-choice (`n` > 1: by index) gets a first chunk with the role, then content deltas as tokens are
-sampled (`logprobs` per chunk when asked for), then a last chunk with the finish reason, the tool
-calls (parsed as in a plain response; content stops streaming at `<tool_call>`) and the same token
-fields as a plain choice; then the usage chunk (`stream_options.include_usage`) and `[DONE]`. The
-streamed content equals the plain response's (see `art_core.server.chat_stream`). Everything that can
-fail before the first token fails as a JSON error; a failure mid-stream is an SSE event `{"error":
-...}` and the stream ends without `[DONE]`. A rollout-scoped stream is recorded, exactly as a plain
-call, before the last choice's last chunk is sent. A client that disconnects cancels the request
-(its rows stop decoding). Engines without token streaming (`VLLMEngine`) stream the whole
-completion in the last chunk (`art_core.engine.torch.streaming.token_stream`).
-
-This module assembles the app (`create_app`) and runs it in a thread (`serve_in_thread`). The
-parts: `model_router` (which engine serves a name), `openai_format` (request and response bodies),
-`chat_completion` (one request, end to end), `chat_stream` (its SSE form), `rollout_routes`
-(capture), `api_errors` (the error shape) and `middleware` (API key, requests in flight).
+Routes: `/v1/chat/completions` (plain and `stream: true`), `/v1/models`, `/health`, and the
+rollout routes. Every choice also carries the exact tokens it came from (`prompt_token_ids`,
+`token_ids`, `token_logprobs`, `served_model`). The parts, each with its own contract: `router`
+(which engine serves a name), `openai_format` (request and response bodies), `chat_completion`
+(one request, end to end), `chat_stream` (its SSE form: streamed content equals plain content),
+`rollout_routes` (capture), `errors` (OpenAI's error shape and status codes) and `middleware`
+(API key, requests in flight). Left out: engines (`art_core.engine`) and model hosting
+(`art_core.host`). Overload, streaming and recording are described in docs/architecture.md.
 """
 
 from __future__ import annotations

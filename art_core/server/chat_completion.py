@@ -3,7 +3,9 @@
 `prepare_chat` does everything before generating (supported options, the model, the decoding
 constraint, the prompt and its length, sampling params) and gives a `PreparedChat`; then
 `chat_completion` awaits the engine for the plain JSON body, and `art_core.server.chat_stream` streams the
-same completion as server-sent events. Both build each choice with `chat_choice`.
+same completion as server-sent events. Both build each choice with `chat_choice`: the message, the
+exact token record (`Turn`, from the engine's `Completion`) and the JSON, so a recorded rollout
+never parses our own response back.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from art_core.engine.torch.decoding import Completion
 from art_core.models.chat_template import render_prompt
 from art_core.server.errors import APIError, engine_call
 from art_core.server.openai_format import (
+    ChatChoice,
     ChatCompletionRequest,
-    build_choice,
+    answered_choice,
     build_response,
     check_supported,
     request_grammar,
@@ -75,9 +78,9 @@ def prepare_chat(router: ModelRouter, req: ChatCompletionRequest) -> PreparedCha
 
 def chat_choice(
     req: ChatCompletionRequest, prepared: PreparedChat, index: int, completion: Completion
-) -> dict[str, Any]:
-    """Choice `index` of the response (`build_choice` with what the request asked for)."""
-    return build_choice(
+) -> ChatChoice:
+    """Choice `index` of the response (`answered_choice` with what the request asked for)."""
+    return answered_choice(
         index,
         completion,
         prepared.served.tokenizer,
@@ -88,12 +91,14 @@ def chat_choice(
     )
 
 
-async def chat_completion(router: ModelRouter, req: ChatCompletionRequest) -> dict[str, Any]:
-    """Answer one chat completion request (as a JSON-ready dict)."""
+async def chat_completion(
+    router: ModelRouter, req: ChatCompletionRequest
+) -> tuple[list[ChatChoice], dict[str, Any]]:
+    """Answer one chat completion request: its choices (token records included) and the JSON body."""
     prepared = prepare_chat(router, req)
     completions = await engine_call(prepared.served.engine.generate(prepared.request))
     choices = [chat_choice(req, prepared, i, c) for i, c in enumerate(completions)]
-    return build_response(req.model, choices, len(prepared.prompt_ids))
+    return choices, build_response(req.model, [c.body for c in choices], len(prepared.prompt_ids))
 
 
 __all__ = ["PreparedChat", "chat_choice", "chat_completion", "prepare_chat"]

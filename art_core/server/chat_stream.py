@@ -1,23 +1,14 @@
-"""Streamed chat completions: the text of a choice as it grows, and OpenAI's chunk and SSE framing.
+"""Streamed chat completions: the content of a choice as it grows, and OpenAI's chunk and SSE framing.
 
-A streamed choice must end up with exactly the content of the non-streamed one (`build_choice`),
-so `ChoiceText` only sends text that no later token can change:
-- not a trailing incomplete UTF-8 character (decoded as U+FFFD until its last byte arrives);
-- not a tail that could be the start of a stop string (the stop string and what follows are cut);
-- with tool parsing on: nothing from the first `<tool_call>` on, no leading whitespace and no
-  trailing whitespace yet (the parsed content is stripped), and no tail that could start the tag.
-When the choice ends, `rest(final_content)` is what is left of the final content. Tool calls are
-sent whole in the choice's last chunk, parsed exactly as in the non-streamed response.
-
-The last chunk of every choice also carries the same token fields as a non-streamed choice
-(`prompt_token_ids`, `token_ids`, `token_logprobs`, `served_model`), so a client can rebuild the
-exact record; earlier chunks carry no token ids.
-
-`streamed_completion` is the `text/event-stream` response: it starts once the engine's first
-tokens are there (`art_core.engine.torch.streaming.token_stream`), so everything that fails before is a JSON
-error; a failure midway is an SSE `{"error": ...}` event and the stream ends without `[DONE]`. The
-whole response is handed to `record` before the last choice's last chunk is sent; closing the
-response (the client gone) cancels the engine's rows.
+`ChoiceText` sends only content no later token can change, so a streamed choice ends up with
+exactly the plain one's content: its text is an `IncrementalDetokenizer` (no half characters, cut
+at a stop string, a possible partial stop held back), and with tool parsing on nothing from the
+first `<tool_call>` on and no whitespace the parsed content would strip. Tool calls and the token
+fields (`prompt_token_ids`, `token_ids`, ...) come whole in each choice's last chunk.
+`streamed_completion` starts the `text/event-stream` once the first tokens are there (earlier
+failures are JSON errors; later ones an SSE `{"error": ...}` without `[DONE]`), hands every
+`ChatChoice` to `record` before the last choice's last chunk, and cancels the engine's rows when
+the client leaves. See docs/architecture.md ("Streaming changes nothing recorded").
 """
 
 from __future__ import annotations
@@ -33,11 +24,11 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from art_core.engine.config import GenerationRequest
-from art_core.engine.sampling import find_stop
+from art_core.engine.detokenizer import IncrementalDetokenizer, held_prefix, settled_text
 from art_core.engine.torch.streaming import DeltaStream, RowDelta, token_stream
 from art_core.server.chat_completion import PreparedChat, chat_choice, prepare_chat
 from art_core.server.errors import engine_call, engine_error
-from art_core.server.openai_format import ChatCompletionRequest, build_response, logprobs_of
+from art_core.server.openai_format import ChatChoice, ChatCompletionRequest, build_response, logprobs_of
 from art_core.server.router import ModelRouter, ServedModel
 
 logger = logging.getLogger(__name__)
@@ -51,64 +42,42 @@ class StreamTextError(RuntimeError):
     the ids into something that is not a prefix of the whole text)."""
 
 
-def _held_prefix(text: str, pattern: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `pattern`."""
-    for k in range(min(len(pattern) - 1, len(text)), 0, -1):
-        if text.endswith(pattern[:k]):
-            return k
-    return 0
-
-
 def settled_content(text: str, stop: Sequence[str], parse_tools: bool) -> str:
     """The part of a partial completion's text that is final content whatever tokens follow; pure."""
-    text = text.rstrip("\ufffd")
-    cut = find_stop(text, tuple(stop))
-    if cut is not None:
-        text = text[:cut]
-    held = max((_held_prefix(text, s) for s in stop), default=0)
-    if parse_tools:
-        tag = text.find(TOOL_CALL_TAG)
-        if tag >= 0:
-            text, held = text[:tag], 0
-        held = max(held, _held_prefix(text, TOOL_CALL_TAG))
-    text = text[: len(text) - held]
-    return text.strip() if parse_tools else text
+    return _tool_settled(settled_text(text, stop), parse_tools)
+
+
+def _tool_settled(text: str, parse_tools: bool) -> str:
+    """With tool parsing on: the content before a (possible) `<tool_call>`, stripped as parsed."""
+    if not parse_tools:
+        return text
+    tag = text.find(TOOL_CALL_TAG)
+    if tag >= 0:
+        text = text[:tag]
+    return text[: len(text) - held_prefix(text, TOOL_CALL_TAG)].strip()
 
 
 class ChoiceText:
     """The content of one streamed choice: what can be sent after each batch of new tokens.
 
-    Decoding is incremental (as vLLM's detokenizer): each batch decodes only the ids since the
-    previous batch, with the batch before as context (`ids[prefix:]` minus `ids[prefix:read]`, so
-    a tokenizer that treats a leading piece specially agrees with itself), and the text grows only
-    when it does not end in a half character.
+    The text is the choice's `IncrementalDetokenizer` (`art_core.engine.detokenizer`, what the
+    engine's `Completion.text` comes from): no half characters, cut at a stop string, a possible
+    partial stop held back; on top of it, the tool-call rules of the module docstring.
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str], parse_tools: bool) -> None:
-        self.tokenizer, self.stop, self.parse_tools = tokenizer, tuple(stop), parse_tools
-        self.ids: list[int] = []
-        self.text = ""
-        """The decoded text of `ids[:read]`."""
+        self.parse_tools = parse_tools
+        self.detokenizer = IncrementalDetokenizer(tokenizer, stop)
         self.sent = ""
-        self._prefix = self._read = 0
 
     def feed(self, token_ids: Sequence[int]) -> str:
         """Add the choice's new tokens (the row has not finished); the new content to send ("" if none)."""
-        self.ids.extend(token_ids)
-        context = self._decode(self.ids[self._prefix : self._read])
-        grown = self._decode(self.ids[self._prefix :])
-        if len(grown) <= len(context) or grown.endswith("\ufffd"):
+        if not self.detokenizer.feed(token_ids):
             return ""
-        self.text += grown[len(context) :]
-        self._prefix, self._read = self._read, len(self.ids)
-        settled = settled_content(self.text, self.stop, self.parse_tools)
+        settled = _tool_settled(self.detokenizer.settled(), self.parse_tools)
         if len(settled) <= len(self.sent):
             return ""
         return self._advance(settled)
-
-    def _decode(self, ids: list[int]) -> str:
-        # As `Completion.text` decodes (art_core.engine.torch.decoding), so that the texts agree.
-        return str(self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def rest(self, final_content: str | None) -> str:
         """The rest of the final content (the non-streamed choice's `message.content`)."""
@@ -141,7 +110,7 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 async def streamed_completion(
-    router: ModelRouter, req: ChatCompletionRequest, record: Callable[[dict[str, Any]], None]
+    router: ModelRouter, req: ChatCompletionRequest, record: Callable[[list[ChatChoice]], None]
 ) -> StreamingResponse:
     """The SSE response; it starts once the first tokens are there, so earlier failures are JSON errors."""
     prepared = prepare_chat(router, req)
@@ -167,7 +136,7 @@ class _ChatStream:
     """One streamed chat completion: engine increments in, `chat.completion.chunk` events out."""
 
     def __init__(
-        self, req: ChatCompletionRequest, prepared: PreparedChat, record: Callable[[dict[str, Any]], None]
+        self, req: ChatCompletionRequest, prepared: PreparedChat, record: Callable[[list[ChatChoice]], None]
     ) -> None:
         self.req, self.prepared, self.record = req, prepared, record
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -176,7 +145,7 @@ class _ChatStream:
         self.texts = [
             ChoiceText(prepared.served.tokenizer, stop, prepared.parse_tools) for _ in range(self.n)
         ]
-        self.finals: dict[int, dict[str, Any]] = {}
+        self.finals: dict[int, ChatChoice] = {}
         self.include_usage = bool((req.stream_options or {}).get("include_usage"))
 
     async def events(self, stream: DeltaStream, first: list[RowDelta]) -> AsyncIterator[str]:
@@ -198,7 +167,7 @@ class _ChatStream:
                 increment = following
             if self.include_usage:
                 usage = build_response(
-                    self.req.model, list(self.finals.values()), len(self.prepared.prompt_ids)
+                    self.req.model, [c.body for c in self.finals.values()], len(self.prepared.prompt_ids)
                 )
                 yield sse({**self._envelope([]), "usage": usage["usage"]})
         except Exception as exc:
@@ -227,12 +196,11 @@ class _ChatStream:
             if not content and logprobs is None:
                 return None
             return self._chunk(delta.index, {"content": content} if content else {}, logprobs=logprobs)
-        choice = chat_choice(self.req, self.prepared, delta.index, delta.completion)
-        self.finals[delta.index] = choice
+        answered = chat_choice(self.req, self.prepared, delta.index, delta.completion)
+        self.finals[delta.index] = answered
         if len(self.finals) == self.n:  # recorded before the client can see the request end
-            choices = [self.finals[i] for i in range(self.n)]
-            self.record(build_response(self.req.model, choices, len(self.prepared.prompt_ids)))
-        message = choice["message"]
+            self.record([self.finals[i] for i in range(self.n)])
+        choice, message = answered.body, answered.message
         last: dict[str, Any] = {}
         if rest := text.rest(message["content"]):
             last["content"] = rest

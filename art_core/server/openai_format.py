@@ -6,8 +6,9 @@ template's messages (`request_messages`), engine `SamplingParams` (`sampling_par
 decoding constraint (`request_grammar`: `response_format` or a forced `tool_choice`); what is
 wrong with it raises `APIError` 400.
 
-Out: `build_choice` (OpenAI's choice plus our token fields `prompt_token_ids`, `token_ids`,
-`token_logprobs`, `served_model`), `build_response` around the choices, `logprobs_of` (OpenAI's
+Out: `answered_choice` (a `ChatChoice`: the message, the `Turn` built from the engine's
+`Completion`, and the JSON choice with our token fields `prompt_token_ids`, `token_ids`,
+`token_logprobs`, `served_model`; `build_choice` is that JSON), `build_response` around them, `logprobs_of` (OpenAI's
 `logprobs` object, exact token bytes for byte-level BPE), `model_list` (the `/v1/models` body).
 The streamed `chat.completion.chunk` framing is in `art_core.server.chat_stream`.
 """
@@ -19,10 +20,12 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from art_core.engine.finish_reason import FinishReason
 from art_core.engine.grammar import (
     Grammar,
     GrammarError,
@@ -34,6 +37,7 @@ from art_core.engine.grammar import (
 from art_core.engine.sampling import SamplingParams
 from art_core.engine.torch.engine import Completion
 from art_core.models.chat_template import parse_tool_calls
+from art_core.rollouts.records import Turn
 from art_core.server.errors import APIError
 
 # -- request ------------------------------------------------------------------------------------
@@ -289,6 +293,58 @@ def logprobs_of(
     return {"content": content, "refusal": None}
 
 
+@dataclass(frozen=True)
+class ChatChoice:
+    """One answered choice: the message the client gets, the exact token record behind it (built
+    from the engine's `Completion`, never parsed back from the JSON) and the JSON choice."""
+
+    message: dict[str, Any]
+    """The assistant message: role, content and, when parsed, tool_calls."""
+    turn: Turn
+    """The prompt and sampled ids with their logprobs: what a rollout records and trains on."""
+    body: dict[str, Any]
+    """OpenAI's choice dict plus our token fields, rendered from `message` and `turn`."""
+
+
+def answered_choice(
+    index: int,
+    completion: Completion,
+    tokenizer: Any,
+    *,
+    prompt_ids: list[int],
+    served_model: str,
+    with_logprobs: bool = False,
+    parse_tools: bool = False,
+) -> ChatChoice:
+    """The choice for a completion: message, token record and JSON; pure."""
+    content: str | None = completion.text
+    tool_calls: list[dict[str, Any]] = []
+    if parse_tools:
+        content, tool_calls = parse_tool_calls(completion.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    reason = FinishReason.TOOL_CALLS if tool_calls else completion.finish_reason
+    turn = Turn(
+        prompt_ids=list(prompt_ids),
+        completion_ids=list(completion.token_ids),
+        logprobs=list(completion.logprobs),
+        model=served_model,
+        finish_reason=reason.value,
+    )
+    body = {
+        "index": index,
+        "message": message,
+        "finish_reason": turn.finish_reason,
+        "logprobs": logprobs_content(completion, tokenizer) if with_logprobs else None,
+        "prompt_token_ids": list(turn.prompt_ids),
+        "token_ids": list(turn.completion_ids),
+        "token_logprobs": list(turn.logprobs),
+        "served_model": turn.model,
+    }
+    return ChatChoice(message, turn, body)
+
+
 def build_choice(
     index: int,
     completion: Completion,
@@ -299,24 +355,16 @@ def build_choice(
     with_logprobs: bool = False,
     parse_tools: bool = False,
 ) -> dict[str, Any]:
-    """One OpenAI choice dict (plus our token fields) for a completion; pure."""
-    content: str | None = completion.text
-    tool_calls: list[dict[str, Any]] = []
-    if parse_tools:
-        content, tool_calls = parse_tool_calls(completion.text)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return {
-        "index": index,
-        "message": message,
-        "finish_reason": "tool_calls" if tool_calls else completion.finish_reason,
-        "logprobs": logprobs_content(completion, tokenizer) if with_logprobs else None,
-        "prompt_token_ids": list(prompt_ids),
-        "token_ids": list(completion.token_ids),
-        "token_logprobs": list(completion.logprobs),
-        "served_model": served_model,
-    }
+    """One OpenAI choice dict (plus our token fields) for a completion (`answered_choice(...).body`); pure."""
+    return answered_choice(
+        index,
+        completion,
+        tokenizer,
+        prompt_ids=prompt_ids,
+        served_model=served_model,
+        with_logprobs=with_logprobs,
+        parse_tools=parse_tools,
+    ).body
 
 
 def build_response(model: str, choices: list[dict[str, Any]], prompt_len: int) -> dict[str, Any]:
@@ -344,8 +392,10 @@ def model_list(names: Sequence[str]) -> dict[str, Any]:
 
 
 __all__ = [
+    "ChatChoice",
     "ChatCompletionRequest",
     "ChatMessage",
+    "answered_choice",
     "build_choice",
     "build_response",
     "check_fields",

@@ -2,7 +2,8 @@
 
 A chat completion sent with an `X-Rollout-Id` header, or to the rollout-scoped base URL
 `/rollouts/{id}/v1`, is recorded under that id (`recorded_completion`, plain or streamed: a stream
-is recorded before its last choice's last chunk is sent). `GET /rollouts/{id}/records` reads the
+is recorded before its last choice's last chunk is sent). The record is built from the answered
+choices' messages and token records (`ChatChoice`), not from the JSON sent. `GET /rollouts/{id}/records` reads the
 records and `DELETE /rollouts/{id}` returns and forgets them. An invalid id is a 400
 (`invalid_rollout_id`).
 """
@@ -16,16 +17,17 @@ from fastapi.responses import Response
 
 from art_core.capture import (
     ROLLOUT_ID_HEADER,
+    CallRecord,
     InvalidRolloutIdError,
+    RecordedChoice,
     RolloutRecorder,
     RolloutRecords,
-    call_record,
     validate_rollout_id,
 )
 from art_core.server.chat_completion import chat_completion
 from art_core.server.chat_stream import streamed_completion
 from art_core.server.errors import APIError, JSONResponse
-from art_core.server.openai_format import ChatCompletionRequest, model_list
+from art_core.server.openai_format import ChatChoice, ChatCompletionRequest, model_list
 from art_core.server.router import ModelRouter
 
 
@@ -46,15 +48,19 @@ async def recorded_completion(
     """`chat_completion` (or its stream), recorded under `rollout_id` when one is given."""
     seq = recorder.next_seq()
 
-    def record(response: dict[str, Any]) -> None:
+    def record(choices: list[ChatChoice]) -> None:
         if rollout_id is not None:
             messages = [m.model_dump(exclude_unset=True) for m in req.messages]
-            recorder.record(rollout_id, call_record(seq, req.model, messages, req.tools, response))
+            recorded = [RecordedChoice(message=dict(c.message), turn=c.turn) for c in choices]
+            record = CallRecord(
+                seq=seq, model=req.model, messages=messages, tools=req.tools, choices=recorded
+            )
+            recorder.record(rollout_id, record)
 
     if req.stream:
         return await streamed_completion(router, req, record)
-    response = await chat_completion(router, req)
-    record(response)
+    choices, response = await chat_completion(router, req)
+    record(choices)
     return JSONResponse(response)
 
 

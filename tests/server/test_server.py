@@ -11,12 +11,13 @@ import httpx
 import openai
 import pytest
 
+from art_core.engine.finish_reason import FinishReason
 from art_core.engine.torch.engine import Completion, EngineConfig, TorchEngine
 from art_core.models.chat_template import render_prompt
 from art_core.models.loading import LoadedModel
 from art_core.rollouts.records import turn_from_choice
 from art_core.server.app import ServerHandle, create_app, serve_in_thread
-from art_core.server.openai_format import build_choice
+from art_core.server.openai_format import answered_choice, build_choice
 from art_core.server.router import ServedModel, StaticRouter
 
 MESSAGES: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
@@ -264,6 +265,32 @@ def test_build_choice_parses_tool_calls(tiny_model: LoadedModel) -> None:
     assert plain["message"] == {"role": "assistant", "content": text} and plain["finish_reason"] == "stop"
     assert [e["logprob"] for e in plain["logprobs"]["content"]] == [-0.5] * len(ids)
     assert b"".join(bytes(e["bytes"]) for e in plain["logprobs"]["content"][:-1]).decode() == text
+
+
+@pytest.mark.parametrize("parse_tools", [True, False])
+def test_the_recorded_turn_comes_from_the_completion_and_matches_the_json(
+    tiny_model: LoadedModel, parse_tools: bool
+) -> None:
+    tok = tiny_model.tokenizer
+    text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    ids = tok.encode(text, add_special_tokens=False)
+    completion = Completion(ids, [-0.25] * len(ids), [[] for _ in ids], text, FinishReason.LENGTH)
+    answered = answered_choice(
+        3, completion, tok, prompt_ids=[7, 8], served_model="m@2", parse_tools=parse_tools
+    )
+    turn = answered.turn
+    assert (turn.prompt_ids, turn.completion_ids, turn.logprobs, turn.model) == (
+        [7, 8],
+        ids,
+        completion.logprobs,
+        "m@2",
+    )
+    assert turn.finish_reason == ("tool_calls" if parse_tools else "length")
+    assert answered.body["message"] is answered.message and answered.body["index"] == 3
+    assert turn_from_choice(json.loads(json.dumps(answered.body))) == (
+        answered.message,
+        turn,
+    )  # what a client reads
 
 
 @pytest.mark.slow

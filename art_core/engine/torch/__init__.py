@@ -1,6 +1,6 @@
-"""The torch engine: `engine` (TorchEngine: intake, adapters, worker, lanes), `decoding` (Completion,
-RowState, DecodeBatch), `decode_step` (the serving copy's decode step), `kv_cache`, `prefix_cache`,
-`serving_weights` (the merged bf16 serving copy) and `streaming` (token streams).
+"""The torch engine: `engine` (TorchEngine: intake, lifecycle, the worker), `scheduler` (the batching
+rules as data), `adapters` (LoRA adapters), `decoding` (Completion, RowState, DecodeBatch), `decode_step` (the
+serving copy's decode step), `kv_cache`, `prefix_cache`, `serving_weights` (the merged bf16 serving copy) and `streaming` (token streams).
 
 Nothing is exported here: `art_core.engine` exports TorchEngine and Completion.
 """

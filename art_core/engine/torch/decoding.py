@@ -9,27 +9,23 @@ prompt prefix and adapter (a shared system prompt; the n completions of a reques
 group) prefill that prefix once and copy its cache rows. Between steps, rows that arrived
 meanwhile can join the running batch (continuous batching): they are prefilled together and their cache is joined to the batch's
 (`art_core.engine.torch.kv_cache`); finished rows are reported at once and dropped from the batch once
-enough have piled up.
+enough have piled up. Each row's text and stop strings are its `IncrementalDetokenizer`'s
+(`art_core.engine.detokenizer`). Left out: which rows run or join (`scheduler`, `engine`). See
+docs/architecture.md ("The torch engine").
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from art_core.engine.detokenizer import IncrementalDetokenizer
+from art_core.engine.finish_reason import FinishReason
 from art_core.engine.grammar import RowConstraint
-from art_core.engine.sampling import (
-    SamplingParams,
-    chosen_logprobs,
-    find_stop,
-    sample_next,
-    stop_window_tokens,
-    top_logprobs,
-)
+from art_core.engine.sampling import SamplingParams, chosen_logprobs, sample_next, top_logprobs
 from art_core.engine.torch.decode_step import decode_step, supports_decode_step
 from art_core.engine.torch.kv_cache import (
     cache_kwarg,
@@ -40,6 +36,8 @@ from art_core.engine.torch.kv_cache import (
     row_layers,
 )
 from art_core.engine.torch.prefix_cache import PrefixCache, PrefixHit
+from art_core.engine.torch.scheduler import MIN_SHARED_PROMPT as MIN_SHARED_PROMPT
+from art_core.engine.torch.scheduler import shared_prompt_length as shared_prompt_length
 
 BASE_ADAPTER = "__base__"
 """peft's name for "no adapter" in a mixed-adapter batch."""
@@ -58,9 +56,9 @@ class Completion:
     """Per sampled position, the `params.top_logprobs` most likely (id, logprob) pairs (empty lists if 0)."""
     text: str
     """Decoded completion, without the final eos/stop token and without the stop string (if hit)."""
-    finish_reason: str
-    """"stop" (eos, a stop id or a stop string), "length" (max_tokens or the context window) or
-    "abort" (its request was cancelled mid-decoding; nobody receives it)."""
+    finish_reason: FinishReason
+    """STOP (eos, a stop id or a stop string), LENGTH (max_tokens or the context window) or ABORT
+    (its request was cancelled mid-decoding; nobody receives it)."""
 
 
 @dataclass(eq=False)
@@ -79,12 +77,20 @@ class RowState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     constraint: RowConstraint | None = None
     """The row's grammar state when its request is constrained (JSON schema, forced tool call)."""
     on_token: Callable[[RowState], bool] | None = None
     """Called after each recorded token (finish_reason already decided), on the decoding thread:
-    streams it; returning False ends the row with finish_reason "abort" (its request was cancelled)."""
+    streams it; returning False ends the row with finish_reason ABORT (its request was cancelled)."""
+    detokenizer: IncrementalDetokenizer | None = None
+    """The row's text (made on first use): fed every token when the row has stop strings, else all
+    at once when the completion is asked for."""
+
+    @property
+    def cancelled(self) -> bool:
+        """Nobody waits for the row any more (its request was cancelled or already answered)."""
+        return bool(getattr(self.job, "done", False))
 
     def push(self, token: int, logprob: float, top: list[tuple[int, float]], tokenizer: Any) -> None:
         """Record a sampled token and decide whether the row is finished."""
@@ -94,35 +100,40 @@ class RowState:
         if self.constraint is not None and token not in self.stop_ids:
             self.constraint.consume(token)
         if token in self.stop_ids:
-            self.finish_reason = "stop"
-        elif self.params.stop and self._tail_has_stop(tokenizer):
-            self.finish_reason = "stop"
+            self.finish_reason = FinishReason.STOP
+        elif self.params.stop and self._reaches_stop_string(token, tokenizer):
+            self.finish_reason = FinishReason.STOP
         elif len(self.token_ids) >= self.max_new:
-            self.finish_reason = "length"
+            self.finish_reason = FinishReason.LENGTH
         if self.on_token is not None and not self.on_token(self) and self.finish_reason is None:
-            self.finish_reason = "abort"
+            self.finish_reason = FinishReason.ABORT
 
-    def _tail_has_stop(self, tokenizer: Any) -> bool:
-        tail = self.token_ids[-stop_window_tokens(self.params.stop) :]
-        return find_stop(_decode(tokenizer, tail), self.params.stop) is not None
+    def _text(self, tokenizer: Any) -> IncrementalDetokenizer:
+        if self.detokenizer is None:
+            self.detokenizer = IncrementalDetokenizer(tokenizer, self.params.stop)
+        return self.detokenizer
+
+    def _reaches_stop_string(self, token: int, tokenizer: Any) -> bool:
+        text = self._text(tokenizer)
+        text.feed((token,))
+        return text.stopped
 
     def completion(self, tokenizer: Any) -> Completion:
+        """The row's completion, once `finish_reason` is set (asking again gives the same one)."""
         ids = self.token_ids
-        if self.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
-            ids = ids[:-1]
-        text = _decode(tokenizer, ids)
-        cut = find_stop(text, self.params.stop)
+        if self.finish_reason is FinishReason.STOP and ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]  # the stop id ends the row; it is not text
+        text = self._text(tokenizer)
+        if not text.finished:  # the stream asks when the row ends, the engine again to answer it
+            text.feed(ids[len(text.ids) :])
+            text.finish()
         return Completion(
             token_ids=list(self.token_ids),
             logprobs=list(self.logprobs),
             top_logprobs=list(self.top),
-            text=text if cut is None else text[:cut],
-            finish_reason=self.finish_reason or "length",
+            text=text.text,
+            finish_reason=self.finish_reason or FinishReason.LENGTH,
         )
-
-
-def _decode(tokenizer: Any, ids: list[int]) -> str:
-    return str(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
 
 class DecodeBatch:
@@ -388,20 +399,6 @@ class DecodeBatch:
         kept = keep.tolist()
         self.rows = [self.rows[i] for i in kept]
         self.adapter_names = [self.adapter_names[i] for i in kept]
-
-
-MIN_SHARED_PROMPT = 16
-"""Shortest common prompt prefix (tokens) that `DecodeBatch.prefill` runs once for all rows."""
-
-
-def shared_prompt_length(rows: list[RowState], minimum: int = MIN_SHARED_PROMPT) -> int:
-    """Leading prompt tokens common to all `rows` (at least 2, all of one adapter), leaving each
-    row at least one token of its own; 0 when that is below `minimum`."""
-    if len(rows) < 2 or len({r.adapter for r in rows}) != 1:
-        return 0
-    common = len(os.path.commonprefix([r.prompt_ids for r in rows]))
-    common = min(common, min(len(r.prompt_ids) for r in rows) - 1)
-    return common if common >= max(minimum, 1) else 0
 
 
 def _report(rows: list[RowState], finished: Callable[[list[RowState]], None] | None) -> None:

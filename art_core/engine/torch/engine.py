@@ -1,66 +1,16 @@
-"""The inference engine: batched generation with per-row LoRA adapters, on transformers + peft.
+"""The torch inference engine: `TorchEngine`, batched generation with per-row LoRA adapters.
 
-`TorchEngine` owns one worker thread that does all torch compute. `generate` (async, callable
-from any event loop and from many coroutines at once) queues the request's n rows and awaits a
-future the worker resolves. The worker takes the queued rows (up to `max_batch_size`) and
-decodes them as one left-padded batch with a KV cache: a prefill, then token-by-token decoding
-in our own loop; each row ends on its own (stop ids, eos, stop strings, max_tokens) and its
-request is answered as soon as its last row ends. A batch starts once no request has arrived
-for `batch_wait_s` (5 ms; at most `batch_wait_max_s`, 50 ms, after the first), so a burst of
-HTTP requests lands in one prefill.
-
-Continuous batching. Between decode steps, rows queued meanwhile join the running batch while
-it has room: they are prefilled together and their cache is joined to the batch's, left-padded
-(`art_core.engine.torch.kv_cache.join_caches`). Without it, 32 concurrent HTTP requests of SmolLM2 arrived as
-two batches, the second waiting for the whole first one: 190 tok/s over HTTP against 294 with
-joining (bench/serve_throughput.py, 2 cores). We chose it over padded waves after measuring
-both here; transformers' own continuous-batching manager measured 0.5-0.75x a padded batch
-(/work/shared/reference/decoding.md), so the loop stays ours. A pause, an adapter operation or
-a re-merge of the serving copy stops admission so the running batch drains (no starvation);
-so do queued rows of the other lane (serving copy vs peft model), which share the next batch.
-
-Decode steps of the merged serving copy run `art_core.engine.torch.decode_step` (the model's own modules,
-without transformers' per-call machinery) when the architecture is supported (Llama, Qwen2).
-
-Admission control (`art_core.engine.admission`). A request that would put more than
-`EngineConfig.max_queued_rows` rows in the engine (queued, decoding, or waiting out a pause) is
-refused at once with `EngineOverloadedError` and a Retry-After estimated from the recent decoding
-rate (HTTP 429), never an unbounded wait or queue.
-
-Serving weights. Rows for the served adapter (by default the peft model's active adapter when
-the engine starts: the trainer's "live" adapter in the service) decode on a `MergedWeights`
-copy: a plain model in `serve_dtype` (bfloat16 where the hardware has fast bf16) with that
-adapter merged into the base weights, so they run no peft code at all (SmolLM2-135M with a
-r=16 LoRA, 32 requests x 64 tokens on 2 threads: ~250 tok/s, against ~120 for peft's per-row
-fp32 path; `bench/engine_speed.py`). Other rows (the base model, checkpoints loaded with
-`add_adapter`) run through the peft model with per-row `adapter_names`, exactly as trained.
-A batch whose rows need both runs as two sub-batches, one after the other.
-
-Staleness contract: the copy never serves weights older than the source model's.
-- Before every batch the worker compares cheap stamps (identity, storage, torch version
-  counter) of every source tensor and re-merges the ones that changed (a train step: the LoRA
-  layers only, ~0.15 s for SmolLM2; no change: ~4 ms).
-- `resume()` (the end of a train step) re-merges everything on the worker, at once, even if
-  no request is waiting: this also covers writes the version counter misses (`p.data.copy_`).
-- `weights_updated()` asks for the same full re-merge without a pause (after changing the
-  weights outside `pause()`/`resume()`, which the trainer should not do while serving).
-
-Streaming. `generate_stream` queues the same rows but returns a `TokenStream` (see
-`art_core.engine.torch.streaming`): each row's tokens as they are sampled, batched per burst into one event
-loop callback, and each row's completion as soon as it ends. Closing the stream (a client that
-disconnects) cancels the request: its decoding rows end at their next token (finish reason
-"abort", counted in `EngineStats.aborted`). A cancelled `generate` call does the same.
-
-Shared prompt prefixes. Rows of one batch (or of one group of joiners) whose prompts start with
-the same tokens (a system prompt, the n completions of a request, a GRPO group) prefill that prefix
-once (`decoding.shared_prompt_length`, at least 16 tokens): SmolLM2's chat prompts share ~30 of
-~38 tokens, so a burst's prefill runs ~4x fewer tokens. Left out: reusing a prefix across batches
-(a prefix cache).
-
-The engine's records (`GenerationRequest`, `EngineConfig`, `EngineStats`) live in
-`art_core.engine.config`, the `Engine` protocol in `art_core.engine.protocol` and its errors in
-`art_core.engine.errors`; all are re-exported here, so `from art_core.engine.torch.engine import ...` keeps
-working.
+This module is intake and lifecycle: `generate` and `generate_stream` check, admit
+(`art_core.engine.admission`) and queue a request's rows through one path; one worker thread does
+all torch compute, runs adapter operations between batches, keeps the merged serving copy fresh
+(`serving_weights`) and runs each batch's lanes (`decoding.DecodeBatch`), answering each request
+as its last row ends; `pause`/`resume`/`close` hand the model to a trainer and back. What starts a
+batch, what joins one and when is decided by `scheduler.Scheduler`, as data; adapter loading is
+`adapters.Adapters`. Left out: the decoding loop and the KV cache (`decoding`, `kv_cache`,
+`prefix_cache`, `decode_step`) and token streaming (`streaming`). The design, the staleness
+contract of the serving copy and the measurements are in docs/architecture.md ("The torch
+engine") and docs/benchmarks.md. The engine's records and errors (`EngineConfig`,
+`GenerationRequest`, `EngineStats`, `Completion`, ...) are re-exported here.
 """
 
 from __future__ import annotations
@@ -88,11 +38,14 @@ from art_core.engine.errors import (
     InvalidRequestError,
     UnknownAdapterError,
 )
+from art_core.engine.finish_reason import FinishReason
 from art_core.engine.grammar import RowConstraint
 from art_core.engine.protocol import Engine
 from art_core.engine.sampling import row_seed
-from art_core.engine.torch.decoding import BASE_ADAPTER, Completion, DecodeBatch, RowState
+from art_core.engine.torch.adapters import Adapters, modes_kept
+from art_core.engine.torch.decoding import Completion, DecodeBatch, RowState
 from art_core.engine.torch.prefix_cache import PrefixCache
+from art_core.engine.torch.scheduler import Gate, Lane, LanePlan, Scheduler, Serving
 from art_core.engine.torch.serving_weights import UnsupportedAdapterError, peft_model_of, serving_copy
 from art_core.engine.torch.streaming import DeltaChannel, TokenStream
 
@@ -124,6 +77,8 @@ class _Job:
     done: bool = False
     channel: DeltaChannel | None = None
     """Where the rows' tokens stream to (`generate_stream`); None for `generate`."""
+    released: bool = False
+    """Its rows no longer count against `max_queued_rows` (`TorchEngine._release`)."""
 
     def on_token(self, row: RowState) -> bool:
         """`RowState.on_token` (worker thread): stream the token; False once nobody waits for the rows."""
@@ -155,19 +110,6 @@ def _settle(future: asyncio.Future[list[Completion]], value: list[Completion] | 
         future.set_result(value)
 
 
-@contextmanager
-def _modes_kept(model: torch.nn.Module, eval_inside: bool = False) -> Iterator[None]:
-    """Restore every module's training flag on exit (peft's `load_adapter` calls `model.eval()`)."""
-    flags = [(module, module.training) for module in model.modules()]
-    if eval_inside:
-        model.eval()
-    try:
-        yield
-    finally:
-        for module, training in flags:
-            module.training = training
-
-
 class TorchEngine:
     """Batched generation on a transformers model (optionally a peft `PeftModel` with LoRA adapters).
 
@@ -178,18 +120,15 @@ class TorchEngine:
     `remove_adapter` then run at once in the calling thread (e.g. the trainer loading the
     checkpoint it just saved); otherwise they run on the worker between batches. The engine never
     changes the trainer's state: each batch runs under `torch.inference_mode` in the worker
-    thread; rows of the served adapter run on the separate serving copy (see the module
-    docstring: `resume()` re-merges it); other rows run on the model itself, in eval mode (every
-    module's training flag is restored afterwards), selecting adapters per row through peft's
-    `adapter_names` (base rows use "__base__"), so the active adapter and `requires_grad` flags
-    are untouched. Adapters are loaded with `is_trainable=False`. If the model is a plain
-    transformers model, the first `add_adapter` wraps it in a `PeftModel`, which injects LoRA
-    layers into the model's modules in place.
+    thread; rows of the served adapter run on the separate serving copy (`resume()` re-merges
+    it); other rows run on the model itself, in eval mode (every module's training flag is
+    restored afterwards), selecting adapters per row through peft's `adapter_names` (base rows
+    use "__base__"), so the active adapter and `requires_grad` flags are untouched.
     """
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
-        self._model = model
+        self._adapters = Adapters(model)
         self._tokenizer = tokenizer
         self.config = config
         self.max_context = config.max_context or int(model.config.max_position_embeddings)
@@ -197,13 +136,13 @@ class TorchEngine:
         self._vocab_size = int(model.get_input_embeddings().num_embeddings)
         self._rng = torch.Generator()
         self._rng.seed()
+        self._scheduler = Scheduler(config.max_batch_size, config.batch_wait_s, config.batch_wait_max_s)
         self._cond = threading.Condition()
         self._rows: deque[RowState] = deque()
         self._ops: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._paused = self._busy = self._closed = False
         self._arrived = 0.0  # when rows were last queued (monotonic): a batch waits for a burst
         self._death: BaseException | None = None
-        self._added: set[str] = set()
         self._stats = EngineStats(0, 0, 0, 0)
         self._admission = Admission(config.max_queued_rows)  # counted and released holding _cond
         self._serving = (
@@ -218,7 +157,7 @@ class TorchEngine:
     @property
     def model(self) -> Any:
         """The model the engine runs (a `PeftModel` once adapters were added to a plain model)."""
-        return self._model
+        return self._adapters.model
 
     @property
     def serving_model(self) -> Any | None:
@@ -239,28 +178,14 @@ class TorchEngine:
         UnknownAdapterError, EngineOverloadedError (the engine is full: retry later) and
         EngineClosedError.
         """
-        self._check_request(request)
-        n = request.params.n
-        self._admit(n)  # counted until this call returns, however it ends
+        job = self._enqueue(request, None)  # counted until this call returns, however it ends
         try:
-            loop = asyncio.get_running_loop()
-            job = _Job(request, loop, loop.create_future(), [None] * n, n)
-            max_new = min(request.params.max_tokens, self.max_context - len(request.prompt_ids))
-            rows = [self._row(job, i, max_new) for i in range(n)]
-            with self._cond:
-                if self._closed:
-                    raise EngineClosedError("the engine is closed") from self._death
-                self._rows.extend(rows)
-                self._arrived = time.monotonic()
-                self._cond.notify_all()
-            try:
-                return await job.future
-            except asyncio.CancelledError:
-                job.done = True  # its queued rows are skipped
-                raise
+            return await job.future
+        except asyncio.CancelledError:
+            job.done = True  # its queued rows are skipped
+            raise
         finally:
-            with self._cond:
-                self._admission.release(n)
+            self._release(job)
 
     def generate_stream(self, request: GenerationRequest) -> TokenStream:
         """`generate`, streamed: each row's tokens as they are sampled (see `art_core.engine.torch.streaming`).
@@ -270,34 +195,43 @@ class TorchEngine:
         EngineClosedError); a failure while decoding comes out of the iteration. The rows count
         against `max_queued_rows` until the stream ends or is closed; closing it early cancels them.
         """
+        channel = DeltaChannel(asyncio.get_running_loop(), self._tokenizer)
+        job = self._enqueue(request, channel)
+
+        def cancel() -> None:  # once (TokenStream.close): the stream ended, or its consumer left early
+            job.done = True  # queued rows are skipped, decoding rows end at their next token
+            self._release(job)
+
+        return TokenStream(channel, cancel)
+
+    def _enqueue(self, request: GenerationRequest, channel: DeltaChannel | None) -> _Job:
+        """Check and admit `request`, then queue its rows; they count until `_release(job)` (done
+        here already if this raises)."""
         self._check_request(request)
         loop = asyncio.get_running_loop()
         n = request.params.n
         self._admit(n)
-        channel = DeltaChannel(loop, self._tokenizer)
         job = _Job(request, loop, loop.create_future(), [None] * n, n, channel=channel)
-
-        def cancel() -> None:  # once (TokenStream.close): the stream ended, or its consumer left early
-            job.done = True  # queued rows are skipped, decoding rows end at their next token
-            with self._cond:
-                self._admission.release(n)
-
-        max_new = min(request.params.max_tokens, self.max_context - len(request.prompt_ids))
         try:
-            rows = [self._row(job, i, max_new) for i in range(n)]
-        except BaseException:  # e.g. a grammar that fails to start: give the admitted rows back
-            cancel()
-            raise
-        with self._cond:
-            closed = self._closed
-            if not closed:
+            max_new = min(request.params.max_tokens, self.max_context - len(request.prompt_ids))
+            rows = [self._row(job, i, max_new) for i in range(n)]  # a grammar may fail to start
+            with self._cond:
+                if self._closed:
+                    raise EngineClosedError("the engine is closed") from self._death
                 self._rows.extend(rows)
                 self._arrived = time.monotonic()
                 self._cond.notify_all()
-        if closed:
-            cancel()
-            raise EngineClosedError("the engine is closed") from self._death
-        return TokenStream(channel, cancel)
+        except BaseException:
+            self._release(job)
+            raise
+        return job
+
+    def _release(self, job: _Job) -> None:
+        """Stop counting the job's rows against `max_queued_rows` (idempotent)."""
+        with self._cond:
+            if not job.released:
+                job.released = True
+                self._admission.release(job.request.params.n)
 
     def pending_rows(self) -> int:
         """Rows admitted and not yet answered: queued, decoding, or waiting out a pause."""
@@ -360,48 +294,15 @@ class TorchEngine:
 
     def adapters(self) -> list[str]:
         """Names of the loaded peft adapters (including a trainer's own), [] for a plain model."""
-        return list(self._model.peft_config) if peft_model_of(self._model) else []
+        return self._adapters.names()
 
     def add_adapter(self, name: str, path: Path | str) -> None:
         """Load the peft adapter saved in folder `path` under `name` (never races a batch)."""
-        self._control(lambda: self._load_adapter(name, Path(path)))
+        self._control(lambda: self._adapters.load(name, Path(path)))
 
     def remove_adapter(self, name: str) -> None:
         """Unload adapter `name` (one `add_adapter` loaded); queued requests for it then fail."""
-        self._control(lambda: self._delete_adapter(name))
-
-    def _load_adapter(self, name: str, path: Path) -> None:
-        if name == BASE_ADAPTER or not name:
-            raise ValueError(f"{name!r} cannot name an adapter (it is reserved for the base model)")
-        if not (path / "adapter_config.json").is_file():
-            raise FileNotFoundError(f"{path} is not a saved peft adapter (no adapter_config.json there)")
-        if name in self.adapters():
-            raise ValueError(f"adapter {name!r} is already loaded; remove_adapter it first or use a new name")
-        with _modes_kept(self._model):
-            if peft_model_of(self._model):
-                self._model.load_adapter(str(path), adapter_name=name, is_trainable=False)
-            else:
-                from peft import PeftModel
-
-                self._model = PeftModel.from_pretrained(
-                    self._model, str(path), adapter_name=name, is_trainable=False
-                )
-        self._added.add(name)
-        logger.info("loaded adapter %s from %s", name, path)
-
-    def _delete_adapter(self, name: str) -> None:
-        if name not in self.adapters():
-            raise UnknownAdapterError(f"adapter {name!r} is not loaded; loaded: {self.adapters()}")
-        if name not in self._added:
-            raise ValueError(
-                f"adapter {name!r} was not added by this engine (it is the trainer's); not removing it"
-            )
-        if len(self.adapters()) == 1:
-            raise ValueError(f"adapter {name!r} is the model's only adapter; peft cannot run without one")
-        with _modes_kept(self._model):
-            self._model.delete_adapter(name)
-        self._added.discard(name)
-        logger.info("removed adapter %s", name)
+        self._control(lambda: self._adapters.delete(name))
 
     def _control(self, op: Callable[[], T]) -> T:
         """Run `op` between batches on the worker, or at once in this thread while paused."""
@@ -480,6 +381,10 @@ class TorchEngine:
 
     # -- worker ------------------------------------------------------------------------------
 
+    def _gate(self) -> Gate:
+        """With the lock held: what holds the worker back."""
+        return Gate(self._paused, self._closed, bool(self._ops), self._resync)
+
     def _work(self) -> None:
         try:
             while True:
@@ -488,21 +393,34 @@ class TorchEngine:
                         self._paused or not (self._rows or self._ops or self._resync)
                     ):
                         self._cond.wait()
-                    self._wait_for_company()
+                    since = time.monotonic()
+                    while True:  # the requests of a burst join the first one's batch
+                        plan = self._scheduler.plan(
+                            self._rows,
+                            None,
+                            gate=self._gate(),
+                            now=time.monotonic(),
+                            arrived=self._arrived,
+                            since=since,
+                        )
+                        if plan.wait_s <= 0:
+                            break
+                        self._cond.wait(plan.wait_s)
                     if self._closed:
                         return
                     if self._paused:
                         continue
                     ops, self._ops = list(self._ops), deque()
-                    rows = self._take_rows()
+                    if plan.queue is not None:
+                        self._rows = deque(plan.queue)
                     force, self._resync = self._resync, False
                     self._busy = True
                 try:
                     for op, future in ops:
                         _run_op(op, future)
                     self._sync_serving(force)
-                    if rows:
-                        self._run_batch(rows)
+                    if plan.start:
+                        self._run_batch(list(plan.start))
                 finally:
                     with self._cond:
                         self._busy = False
@@ -513,25 +431,6 @@ class TorchEngine:
             with self._cond:
                 self._closed = True
             self._fail_queued(exc)
-
-    def _wait_for_company(self) -> None:
-        """With the lock held: let the requests of a burst join the first one's batch, until none
-        arrived for `batch_wait_s` or `batch_wait_max_s` has passed."""
-        config = self.config
-        latest = time.monotonic() + config.batch_wait_max_s
-        while self._rows and len(self._rows) < config.max_batch_size:
-            left = min(self._arrived + config.batch_wait_s, latest) - time.monotonic()
-            if left <= 0 or self._closed or self._paused:
-                return
-            self._cond.wait(left)
-
-    def _take_rows(self) -> list[RowState]:
-        rows: list[RowState] = []
-        while self._rows and len(rows) < self.config.max_batch_size:
-            row = self._rows.popleft()
-            if not row.job.done:
-                rows.append(row)
-        return rows
 
     def _fail_queued(self, exc: BaseException) -> None:
         with self._cond:
@@ -547,11 +446,14 @@ class TorchEngine:
         if self._serving is None:
             return
         try:
-            self._serving.sync(self._model, force=force)
+            self._serving.sync(self.model, force=force)
         except Exception as exc:  # e.g. the served adapter was deleted; a half-written copy is never used
             level = logging.WARNING if isinstance(exc, UnsupportedAdapterError) else logging.ERROR
             logger.log(level, "dropped the merged serving copy (its rows now run through peft): %s", exc)
             self._serving = None
+
+    def _serving_view(self, stale: bool = False) -> Serving | None:
+        return None if self._serving is None else Serving(self._serving.adapter, stale)
 
     def _runnable(self, rows: list[RowState]) -> list[RowState]:
         """`rows` without cancelled ones; rows of adapters removed meanwhile fail with UnknownAdapterError."""
@@ -571,23 +473,20 @@ class TorchEngine:
         logger.debug("engine batch: %d rows from %d requests", len(rows), len({id(r.job) for r in rows}))
         self._stats = replace(self._stats, batches=self._stats.batches + 1)
         serving = self._serving
-        fast = [r for r in rows if serving is not None and r.adapter == serving.adapter]
-        slow = [r for r in rows if serving is None or r.adapter != serving.adapter]
         with torch.inference_mode():
-            if fast and serving is not None:  # no joiners while the other lane waits its turn
-                self._run_lane(fast, serving.model, peft=False, on_serving_copy=True, join=not slow)
-            if slow:
-                with _modes_kept(self._model, eval_inside=True):
-                    self._run_lane(slow, self._model, peft_model_of(self._model), on_serving_copy=False)
+            for lane in self._scheduler.lanes(rows, self._serving_view()):
+                if lane.lane is Lane.SERVING and serving is not None:
+                    self._run_lane(lane, serving.model, peft=False)
+                elif lane.lane is Lane.PEFT:
+                    with modes_kept(self.model, eval_inside=True):
+                        self._run_lane(lane, self.model, peft_model_of(self.model))
 
-    def _run_lane(
-        self, rows: list[RowState], model: Any, peft: bool, on_serving_copy: bool, join: bool = True
-    ) -> None:
-        """One DecodeBatch on `model`; queued rows of the same lane join it while it runs (if `join`)."""
-        lane = _Lane(rows)
+    def _run_lane(self, plan: LanePlan[RowState], model: Any, peft: bool) -> None:
+        """One DecodeBatch on `model`; queued rows of the same lane join it while it runs (if joinable)."""
+        lane = _LaneRun(list(plan.rows))
 
         def admit(room: int) -> list[RowState]:
-            joiners = self._take_joiners(room, on_serving_copy) if join else []
+            joiners = self._take_joiners(room, plan.lane) if plan.joinable else []
             if joiners:
                 lane.joined(joiners)
                 s = self._stats
@@ -606,8 +505,9 @@ class TorchEngine:
                 self._admission.note_rate(*lane.rate.take())
 
         self._stats = replace(self._stats, max_batch_rows=max(self._stats.max_batch_rows, lane.live))
+        prefix = self._prefix_cache() if plan.prefix_cache else None
         try:
-            DecodeBatch(model, self._tokenizer, rows, peft, self._prefix_cache(on_serving_copy)).run(
+            DecodeBatch(model, self._tokenizer, list(plan.rows), peft, prefix).run(
                 self.config.prune_fraction,
                 admit=admit,
                 finished=finished,
@@ -620,39 +520,26 @@ class TorchEngine:
         if lane.rate.seconds() > 0 and lane.rate.finished:
             self._admission.note_rate(*lane.rate.take())
 
-    def _prefix_cache(self, on_serving_copy: bool) -> PrefixCache | None:
-        """The prefix cache for a lane: only the serving copy's, whose weights change only when it is
-        re-merged (`merges` counts those); the peft model's adapters change under it at any time."""
+    def _prefix_cache(self) -> PrefixCache | None:
+        """The serving copy's prefix cache, valid for its current merge (`merges` counts them)."""
         serving = self._serving
-        if not on_serving_copy or serving is None or self._prefix is None:
+        if serving is None or self._prefix is None:
             return None
         return self._prefix.for_weights((id(serving), serving.merges))
 
-    def _take_joiners(self, room: int, on_serving_copy: bool) -> list[RowState]:
-        """Up to `room` queued rows of this lane to join a running batch. None while a pause, an
-        adapter operation or a re-merge waits for the batch to end, nor while rows of the other lane
-        wait (so a steady flow on one lane never starves the other: they share the next batch), nor
-        onto the serving copy once the model's weights changed under it (a train step without a
-        pause): the batch's rows finish on the weights they began with, the queued rows start the
-        next batch, after a re-merge."""
+    def _take_joiners(self, room: int, lane: Lane) -> list[RowState]:
+        """Up to `room` queued rows to join the running `lane`, as the scheduler plans them."""
         if not self._rows:
             return []
         serving = self._serving
-        if on_serving_copy and serving is not None and serving.stale(self._model):
-            return []
+        stale = lane is Lane.SERVING and serving is not None and serving.stale(self.model)
         with self._cond:
-            if self._paused or self._closed or self._ops or self._resync:
-                return []
-            live = [row for row in self._rows if not row.job.done]
-            mine = [
-                r for r in live if (serving is not None and r.adapter == serving.adapter) == on_serving_copy
-            ]
-            if len(mine) < len(live):
-                self._rows = deque(live)
-                return []
-            taken = mine[:room]
-            self._rows = deque(mine[room:])
-        return self._runnable(taken)
+            plan = self._scheduler.plan(
+                self._rows, lane, gate=self._gate(), serving=self._serving_view(stale), room=room
+            )
+            if plan.queue is not None:
+                self._rows = deque(plan.queue)
+        return self._runnable(list(plan.join)) if plan.join else []
 
     def _finish(self, rows: list[RowState]) -> None:
         """Hand finished rows to their requests (a request resolves when its last row finishes)."""
@@ -661,7 +548,7 @@ class TorchEngine:
             s,
             rows=s.rows + len(rows),
             tokens=s.tokens + sum(len(r.token_ids) for r in rows),
-            aborted=s.aborted + sum(r.finish_reason == "abort" for r in rows),
+            aborted=s.aborted + sum(r.finish_reason is FinishReason.ABORT for r in rows),
         )
         for row in rows:
             job = row.job
@@ -671,7 +558,7 @@ class TorchEngine:
                 job.resolve([c for c in job.results if c is not None])
 
 
-class _Lane:
+class _LaneRun:
     """Which rows of a running DecodeBatch have not finished yet (to fail them if it breaks)."""
 
     def __init__(self, rows: list[RowState]) -> None:

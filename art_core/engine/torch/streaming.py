@@ -1,24 +1,14 @@
 """Token streaming out of an engine: each row's tokens as they are sampled, handed to the caller's loop.
 
 `TorchEngine.generate_stream(request)` returns a `TokenStream`, an async iterator of increments:
-lists of `RowDelta`, one per row (completion `index` of the request) that sampled tokens since the
-previous increment. Concatenating a row's deltas gives exactly its completion's `token_ids`,
-`logprobs` and `top_logprobs`; its last delta also carries the finished `Completion` (text,
-finish_reason), sent as soon as that row ends, before the request's other rows are done.
-
-Hand-off. The engine's worker thread calls `DeltaChannel.push` for every token of a streaming
-request (the `RowState.on_token` hook). Tokens pile up under a lock; the first one of a burst
-schedules one `call_soon_threadsafe` flush onto the caller's event loop, which turns everything
-piled up into one increment. So a decode step costs the loop one callback per request, not one
-per token, and a slow consumer just gets bigger increments.
-
-Cancellation. `TokenStream.aclose()` (also when the consumer is cancelled while waiting) marks the
-request done: its queued rows are skipped and its decoding rows end at their next token (finish
-reason "abort"), so a client that disconnects stops costing decode steps.
-
-Engines without `generate_stream` (`VLLMEngine` for now) still serve streaming clients:
-`token_stream(engine, request)` then awaits `engine.generate` and yields the whole completions as
-one increment.
+lists of `RowDelta`, one per row that sampled tokens since the previous increment. A row's deltas
+concatenate to its completion's `token_ids`, `logprobs` and `top_logprobs`; its last delta carries
+the finished `Completion`, sent as soon as that row ends. The worker calls `DeltaChannel.push` per
+token; the first token of a burst schedules one `call_soon_threadsafe` flush, so a decode step
+costs the loop one callback per request. `TokenStream.aclose()` cancels the request (its rows end
+at their next token, finish reason ABORT). `token_stream(engine, request)` serves engines without
+`generate_stream` (`VLLMEngine`) as one whole increment. Left out: text (deltas carry ids; the
+server decodes them with `art_core.engine.detokenizer`). See docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from art_core.engine.errors import (
     InvalidRequestError,
     UnknownAdapterError,
 )
+from art_core.engine.finish_reason import FinishReason
 from art_core.engine.torch.decoding import BASE_ADAPTER, Completion
 from art_core.engine.vllm.config import VLLMEngineConfig
 from art_core.engine.vllm.loop_thread import LoopThread, cancel_other_tasks
@@ -398,5 +399,5 @@ def _completion(output: Any, top_k: int) -> Completion:
         logprobs=logprobs,
         top_logprobs=top,
         text=str(output.text),
-        finish_reason="length" if finish == "length" else "stop",
+        finish_reason=FinishReason.LENGTH if finish == "length" else FinishReason.STOP,
     )

@@ -1,0 +1,132 @@
+"""The "ours" side of `serve_throughput.py`: our OpenAI-compatible server on a LocalBackend, live LoRA.
+
+`worker_ours` (in its own process) registers a `TrainableModel` on a `LocalBackend` as training
+does, writes seeded random lora_B weights into the live adapter inside `engine.pause()` /
+`engine.resume()` (what a train step does), saves the adapter for the other sides and serves it,
+answering `stats` (the engine's batch and join counters) on stdin. `start_ours` and `stop_ours`
+drive that process. Left out: the load and the report (`serve_throughput.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from processes import emit, log_tail, read_marked
+from serve_common import (
+    LORA_ALPHA,
+    LORA_B_STD,
+    LORA_R,
+    LORA_SEED,
+    MODEL,
+    MODEL_NAME,
+    Target,
+    dtype_of,
+    say,
+    start_worker,
+)
+
+
+def worker_ours(args: argparse.Namespace) -> None:
+    """Register the model on a LocalBackend, put the random adapter into the live LoRA, serve it."""
+    import torch
+
+    from art_core.backends.local import LocalBackend
+    from art_core.engine.torch.engine import EngineConfig
+    from art_core.model import TrainableModel
+    from art_core.models.loading import resolve_model_path
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.work_dir)
+    backend = LocalBackend(work / "art", engine_config=EngineConfig(serve_dtype=dtype_of(args.dtype)))
+    model = TrainableModel(
+        project="bench", name=MODEL_NAME, base_model=MODEL, lora_rank=LORA_R, lora_alpha=LORA_ALPHA
+    )
+    started = time.perf_counter()
+    asyncio.run(model.register(backend))
+    hosted = backend.service.get(MODEL_NAME)
+    engine: Any = hosted.engine  # a TorchEngine (the default serving engine)
+    # What a train step does to the live adapter: change its weights while the engine is paused.
+    engine.pause()
+    try:
+        generator = torch.Generator().manual_seed(LORA_SEED)
+        changed = 0
+        with torch.no_grad():
+            for name, param in hosted.trainer.model.named_parameters():
+                if "lora_B" in name and f".{hosted.trainer.adapter_name}." in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * LORA_B_STD)
+                    changed += 1
+    finally:
+        engine.resume()
+    adapter_dir = work / "adapter"
+    hosted.trainer.save_state(adapter_dir)
+    serving = engine.serving_model
+    emit(
+        "ready",
+        {
+            "base_url": model.inference_base_url,
+            "api_key": model.inference_api_key,
+            "model": model.get_inference_name(),
+            "model_path": str(resolve_model_path(MODEL)),
+            "adapter_dir": str(adapter_dir),
+            "lora_b_tensors": changed,
+            "serve_dtype": str(serving.dtype).removeprefix("torch.") if serving is not None else "peft",
+            "trainer_dtype": str(next(hosted.trainer.model.parameters()).dtype).removeprefix("torch."),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "setup_s": round(time.perf_counter() - started, 1),
+        },
+    )
+    for line in sys.stdin:  # the benchmark's commands; EOF (it died) also ends the worker
+        if line.strip() == "stats":
+            stats = engine.stats()
+            emit(
+                "stats",
+                {"batches": stats.batches, "rows": stats.rows, "tokens": stats.tokens, "joins": stats.joins},
+            )
+        elif line.strip() == "stop":
+            break
+    asyncio.run(backend.close())
+
+
+def start_ours(args: argparse.Namespace, work: Path) -> tuple[subprocess.Popen[str], dict[str, Any], Target]:
+    """Our server (a LocalBackend in its worker process), up and serving the live adapter."""
+    proc = start_worker("ours", args, work, [])
+    try:
+        ready = read_marked(proc, "ready")
+    except RuntimeError as exc:
+        stop_ours(proc)
+        raise RuntimeError(f"{exc}; its log ends:\n{log_tail(work / 'ours.log')}") from exc
+    say(
+        f"ours: registered {ready['model']!r} in {ready['setup_s']} s; {ready['lora_b_tensors']} lora_B "
+        f"tensors set to N(0, {LORA_B_STD}); serving copy {ready['serve_dtype']} (trainer "
+        f"{ready['trainer_dtype']}), torch {ready['torch']}, {ready['torch_threads']} threads"
+    )
+
+    def batches() -> dict[str, int]:
+        assert proc.stdin is not None
+        proc.stdin.write("stats\n")
+        proc.stdin.flush()
+        return dict(read_marked(proc, "stats"))
+
+    target = Target("ours", ready["base_url"], ready["api_key"], ready["model"], proc.pid, batches)
+    return proc, ready, target
+
+
+def stop_ours(proc: subprocess.Popen[str]) -> None:
+    try:
+        if proc.poll() is None and proc.stdin is not None:
+            proc.stdin.write("stop\n")
+            proc.stdin.flush()
+            proc.wait(timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
