@@ -144,7 +144,9 @@ class RecordingClient:
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.client.__aexit__(*exc_info)
 
-    async def call_tool(self, name: str, arguments: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any] | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
         """`client.call_tool(...)`, recorded into the active rollout scope (if any)."""
         scope = current_scope()
         started = time.perf_counter()
@@ -153,13 +155,21 @@ class RecordingClient:
         except BaseException as exc:
             if scope is not None:
                 error = f"{type(exc).__name__}: {exc}"
-                record(scope, ToolCallRecord(name, dict(arguments or {}), None, error, _since(started)), log_chars=self.log_chars)
+                record(
+                    scope,
+                    ToolCallRecord(name, dict(arguments or {}), None, error, _since(started)),
+                    log_chars=self.log_chars,
+                )
             raise
         if scope is not None:
             text = result_text(result)
             failed = bool(getattr(result, "is_error", False))
             call = ToolCallRecord(
-                name, dict(arguments or {}), None if failed else text, text if failed else None, _since(started)
+                name,
+                dict(arguments or {}),
+                None if failed else text,
+                text if failed else None,
+                _since(started),
             )
             record(scope, call, log_chars=self.log_chars)
         return result

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from art_core.capture import message_key
 from art_core.model import TrainableModel
@@ -52,8 +52,9 @@ class AgentConfig:
     """Tokens per turn."""
     temperature: float = 1.0
     """Sampling temperature (1.0 while training: the logprobs are those of the sampled policy)."""
-    tool_choice: Literal["required", "auto"] = "required"
-    """`required`: every turn is exactly one tool call (constrained decoding on our server)."""
+    tool_choice: str = "required"
+    """`required`: every turn is exactly one tool call (constrained decoding on our server); `auto`:
+    the model may answer in prose; a tool's name: every turn calls that tool (for probes and tests)."""
     system_prompt: str = SYSTEM_PROMPT
     """`{server}` and `{max_turns}` are filled in."""
     max_string_chars: int | None = 200
@@ -67,8 +68,8 @@ class AgentConfig:
             raise ValueError(f"max_tokens must be >= 8, got {self.max_tokens}")
         if self.max_string_chars is not None and self.max_string_chars < 1:
             raise ValueError(f"max_string_chars must be >= 1 or None, got {self.max_string_chars}")
-        if self.tool_choice not in ("required", "auto"):
-            raise ValueError(f"tool_choice must be 'required' or 'auto', got {self.tool_choice!r}")
+        if not self.tool_choice:
+            raise ValueError("tool_choice must be 'required', 'auto' or a tool's name")
 
 
 def _bounded(schema: Any, limit: int) -> Any:
@@ -89,7 +90,10 @@ def bounded_tools(tools: list[dict[str, Any]], limit: int | None) -> list[dict[s
     (`additionalProperties: false` where it is not set), so constrained calls stay short (None: unchanged)."""
     if limit is None:
         return tools
-    return [{**t, "function": {**t["function"], "parameters": _bounded(t["function"]["parameters"], limit)}} for t in tools]
+    return [
+        {**t, "function": {**t["function"], "parameters": _bounded(t["function"]["parameters"], limit)}}
+        for t in tools
+    ]
 
 
 @dataclass
@@ -100,13 +104,21 @@ class _Run:
     failure: ServerFailure | None = None
 
 
-async def _turn(run: _Run, model: TrainableModel, model_name: str, tools: list[dict[str, Any]], config: AgentConfig) -> dict[str, Any]:
+def _tool_choice(choice: str) -> Any:
+    if choice in ("required", "auto"):
+        return choice
+    return {"type": "function", "function": {"name": choice}}
+
+
+async def _turn(
+    run: _Run, model: TrainableModel, model_name: str, tools: list[dict[str, Any]], config: AgentConfig
+) -> dict[str, Any]:
     client = model.openai_client()
     response = await client.chat.completions.create(
         model=model_name,
         messages=run.messages,
         tools=tools,
-        tool_choice=config.tool_choice,
+        tool_choice=_tool_choice(config.tool_choice),
         max_tokens=config.max_tokens,
         temperature=config.temperature,
     )
@@ -118,7 +130,9 @@ async def _turn(run: _Run, model: TrainableModel, model_name: str, tools: list[d
     return reply
 
 
-async def _act(run: _Run, reply: dict[str, Any], connection: ServerConnection, known: set[str], config: ToolCallConfig) -> None:
+async def _act(
+    run: _Run, reply: dict[str, Any], connection: ServerConnection, known: set[str], config: ToolCallConfig
+) -> None:
     """Run the reply's tool calls, appending one tool message each; sets `run.answer` on complete_task."""
     for call in reply.get("tool_calls") or []:
         function = call.get("function") or {}
@@ -184,7 +198,9 @@ async def run_agent(
     system = agent.system_prompt.format(server=catalog.server_name or "MCP", max_turns=agent.max_turns)
     run = _Run(messages=[{"role": "system", "content": system}, {"role": "user", "content": scenario.task}])
     async with rollout(model) as scope, pool.lease(scenario.id) as connection:
-        await _loop(run, model, model_name or model.get_inference_name(), catalog, connection, agent, tool_config)
+        await _loop(
+            run, model, model_name or model.get_inference_name(), catalog, connection, agent, tool_config
+        )
         if run.failure is not None:
             await pool.report_failure(connection, run.failure.reason, hung=run.failure.hung)
         _finish(scope, run, scenario)

@@ -28,7 +28,9 @@ COMPLETE_TASK_TOOL: dict[str, Any] = {
         "description": "Finish the task: give your final answer to the user. Call it once, when you are done.",
         "parameters": {
             "type": "object",
-            "properties": {"answer": {"type": "string", "description": "The final answer, with the facts found."}},
+            "properties": {
+                "answer": {"type": "string", "description": "The final answer, with the facts found."}
+            },
             "required": ["answer"],
         },
     },
@@ -81,11 +83,15 @@ class ServerCatalog:
         parts = [f"Server: {self.server_name or 'unnamed'}"]
         if self.instructions:
             parts.append(f"Server instructions: {self.instructions}")
-        parts.append("Tools:\n" + "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in self.tools))
+        parts.append(
+            "Tools:\n" + "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in self.tools)
+        )
         for r in self.resources:
             parts.append(f"Resource {r.uri} ({r.name}): {r.description or ''}\n{r.text or ''}".rstrip())
         for p in self.prompts:
-            parts.append(f"Prompt {p.name}({', '.join(p.arguments)}): {p.description or ''}\n{p.text or ''}".rstrip())
+            parts.append(
+                f"Prompt {p.name}({', '.join(p.arguments)}): {p.description or ''}\n{p.text or ''}".rstrip()
+            )
         return "\n\n".join(parts)
 
 
@@ -105,7 +111,11 @@ def openai_tool(name: str, description: str | None, input_schema: Any) -> dict[s
     schema.setdefault("properties", {})
     return {
         "type": "function",
-        "function": {"name": name, "description": (description or f"MCP tool {name}").strip(), "parameters": schema},
+        "function": {
+            "name": name,
+            "description": (description or f"MCP tool {name}").strip(),
+            "parameters": schema,
+        },
     }
 
 
@@ -144,7 +154,9 @@ async def _prompts(client: Any) -> list[PromptInfo]:
         if not any(a.required for a in p.arguments or []):
             try:
                 rendered = await client.get_prompt(p.name, {})
-                text = "\n".join(getattr(m.content, "text", "") for m in rendered.messages)[:RESOURCE_TEXT_CHARS]
+                text = "\n".join(getattr(m.content, "text", "") for m in rendered.messages)[
+                    :RESOURCE_TEXT_CHARS
+                ]
             except Exception as exc:
                 logger.info("could not render prompt %s: %s", p.name, exc)
         infos.append(PromptInfo(p.name, p.description, arguments, text))
@@ -153,9 +165,14 @@ async def _prompts(client: Any) -> list[PromptInfo]:
 
 async def read_catalog(client: Any) -> ServerCatalog:
     """Tools, resources and prompts of a connected `mcp.Client` (servers lacking a capability have none)."""
-    tools = [openai_tool(t.name, t.description, t.input_schema) for t in await _list_all(client.list_tools, "tools")]
+    tools = [
+        openai_tool(t.name, t.description, t.input_schema)
+        for t in await _list_all(client.list_tools, "tools")
+    ]
     if COMPLETE_TASK in {t["function"]["name"] for t in tools}:
-        raise ValueError(f"the server has a tool named {COMPLETE_TASK!r}, which mcp-rl reserves for the final answer")
+        raise ValueError(
+            f"the server has a tool named {COMPLETE_TASK!r}, which mcp-rl reserves for the final answer"
+        )
     capabilities = client.server_capabilities
     resources = await _resources(client) if getattr(capabilities, "resources", None) is not None else []
     prompts = await _prompts(client) if getattr(capabilities, "prompts", None) is not None else []

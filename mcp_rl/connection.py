@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import IO, Any
+from typing import Any, TextIO
 
 import httpx2
 from mcp import Client
@@ -64,7 +64,10 @@ def log_tail(path: Path | None, chars: int = LOG_TAIL_CHARS) -> str:
 def absolute_args(args: tuple[str, ...]) -> list[str]:
     """Arguments that name an existing relative path made absolute, so they still resolve when the
     process runs in a copied working directory (e.g. `python examples/mcp/server.py`)."""
-    return [os.path.abspath(a) if not os.path.isabs(a) and os.path.exists(a) and not a.startswith("-") else a for a in args]
+    return [
+        os.path.abspath(a) if not os.path.isabs(a) and os.path.exists(a) and not a.startswith("-") else a
+        for a in args
+    ]
 
 
 class ServerConnection:
@@ -111,7 +114,9 @@ class ServerConnection:
             await asyncio.wait_for(self._ready.wait(), self.start_timeout_s)
         except TimeoutError:
             await self.close()
-            raise ServerStartError(self._start_message(f"no handshake within {self.start_timeout_s:.0f} s")) from None
+            raise ServerStartError(
+                self._start_message(f"no handshake within {self.start_timeout_s:.0f} s")
+            ) from None
         if self._error is not None:
             error = self._error
             await self.close()
@@ -168,7 +173,9 @@ class ServerConnection:
         spec = self.spec
         if spec.url is not None:
             timeout = httpx2.Timeout(30.0, read=300.0)  # the SDK's defaults (an SSE stream may stay open)
-            http = await stack.enter_async_context(httpx2.AsyncClient(headers=dict(spec.headers), timeout=timeout))
+            http = await stack.enter_async_context(
+                httpx2.AsyncClient(headers=dict(spec.headers), timeout=timeout)
+            )
             return streamable_http_client(spec.url, http_client=http)
         args = list(spec.args)
         cwd: str | None = None
@@ -184,7 +191,7 @@ class ServerConnection:
         errlog = stack.enter_context(self._open_log())
         return stdio_client(params, errlog=errlog)
 
-    def _open_log(self) -> IO[str]:
+    def _open_log(self) -> TextIO:
         if self.log_path is None:
             return open(os.devnull, "w")  # noqa: SIM115 - closed by the exit stack
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,7 +201,9 @@ class ServerConnection:
         return log
 
 
-async def connect(spec: ServerSpec, *, log_path: Path | None = None, name: str = "server", start_timeout_s: float = 30.0) -> ServerConnection:
+async def connect(
+    spec: ServerSpec, *, log_path: Path | None = None, name: str = "server", start_timeout_s: float = 30.0
+) -> ServerConnection:
     """A started `ServerConnection` (raises `ServerStartError`)."""
     return await ServerConnection(spec, log_path=log_path, name=name, start_timeout_s=start_timeout_s).start()
 

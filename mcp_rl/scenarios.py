@@ -57,14 +57,22 @@ class Scenario:
             raise ValueError(f"scenario id {self.id!r} must be 1-64 letters, digits, '_', '.' or '-'")
         if not isinstance(self.task, str) or not self.task.strip():
             raise ValueError(f"scenario {self.id}: task must be a non-empty string")
-        if isinstance(self.difficulty, bool) or not isinstance(self.difficulty, int) or not 1 <= self.difficulty <= 5:
-            raise ValueError(f"scenario {self.id}: difficulty must be an integer from 1 to 5, got {self.difficulty!r}")
+        if (
+            isinstance(self.difficulty, bool)
+            or not isinstance(self.difficulty, int)
+            or not 1 <= self.difficulty <= 5
+        ):
+            raise ValueError(
+                f"scenario {self.id}: difficulty must be an integer from 1 to 5, got {self.difficulty!r}"
+            )
         if self.expected is not None and (not isinstance(self.expected, str) or not self.expected.strip()):
             raise ValueError(f"scenario {self.id}: expected must be a non-empty string or null")
         if self.check not in CHECKS:
             raise ValueError(f"scenario {self.id}: check must be one of {CHECKS}, got {self.check!r}")
         if self.check == "number" and self.expected is not None and _number(self.expected) is None:
-            raise ValueError(f"scenario {self.id}: check 'number' needs a numeric expected answer, got {self.expected!r}")
+            raise ValueError(
+                f"scenario {self.id}: check 'number' needs a numeric expected answer, got {self.expected!r}"
+            )
         if self.split not in ("train", "val"):
             raise ValueError(f"scenario {self.id}: split must be 'train' or 'val', got {self.split!r}")
 

@@ -44,13 +44,19 @@ class ServerSpec:
         if (self.command is None) == (self.url is None):
             raise ServerSpecError("give exactly one of a stdio command (--server) and a URL (--url)")
         if self.command is not None and not self.command.strip():
-            raise ServerSpecError("the --server command is empty; e.g. --server 'mcp-server-time --local-timezone UTC'")
+            raise ServerSpecError(
+                "the --server command is empty; e.g. --server 'mcp-server-time --local-timezone UTC'"
+            )
         if self.url is not None:
             parsed = urlparse(self.url)
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
-                raise ServerSpecError(f"--url must be an http(s) URL such as http://127.0.0.1:8000/mcp, got {self.url!r}")
+                raise ServerSpecError(
+                    f"--url must be an http(s) URL such as http://127.0.0.1:8000/mcp, got {self.url!r}"
+                )
             if self.env:
-                raise ServerSpecError("--env applies to stdio servers (--server) only; a URL server has its own")
+                raise ServerSpecError(
+                    "--env applies to stdio servers (--server) only; a URL server has its own"
+                )
             if self.workdir is not None:
                 raise ServerSpecError("--workdir applies to stdio servers (--server) only")
         if self.command is not None and self.headers:

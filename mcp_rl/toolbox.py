@@ -52,7 +52,9 @@ class ToolCallConfig:
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise ValueError(f"--tool-timeout must be a positive number of seconds, got {self.timeout_s}")
         if self.max_output_chars < 100:
-            raise ValueError(f"--max-tool-output must be at least 100 characters, got {self.max_output_chars}")
+            raise ValueError(
+                f"--max-tool-output must be at least 100 characters, got {self.max_output_chars}"
+            )
         if not self.ping_timeout_s > 0:
             raise ValueError(f"ping_timeout_s must be > 0, got {self.ping_timeout_s}")
 
@@ -102,9 +104,13 @@ def parse_arguments(raw: Any) -> dict[str, Any] | str:
         return {}
     try:
         value = json.loads(raw) if isinstance(raw, str) else raw
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         return f"the arguments are not valid JSON ({exc.msg})"
-    return value if isinstance(value, dict) else f"the arguments must be a JSON object, got {type(value).__name__}"
+    return (
+        value
+        if isinstance(value, dict)
+        else f"the arguments must be a JSON object, got {type(value).__name__}"
+    )
 
 
 async def call_tool(
@@ -118,11 +124,15 @@ async def call_tool(
     arguments = parse_arguments(raw_arguments)
     if isinstance(arguments, str):
         _note(name, {}, arguments)
-        return ToolOutcome(f"Error: {arguments}. Call {name} again with a JSON object of arguments.", "bad_arguments")
+        return ToolOutcome(
+            f"Error: {arguments}. Call {name} again with a JSON object of arguments.", "bad_arguments"
+        )
     if name not in known_tools:
         error = f"unknown tool {name!r}"
         _note(name, arguments, error)
-        return ToolOutcome(f"Error: {error}. Available tools: {', '.join(sorted(known_tools))}.", "unknown_tool")
+        return ToolOutcome(
+            f"Error: {error}. Available tools: {', '.join(sorted(known_tools))}.", "unknown_tool"
+        )
     started = time.perf_counter()
     try:
         # The SDK's own timeout answers first; the outer one only guards a transport that ignores it.
@@ -132,14 +142,18 @@ async def call_tool(
         )
     except MCPError as exc:
         if exc.code == CONNECTION_CLOSED:
-            raise ServerFailure(f"the server closed the connection during {name} (crashed?): {exc}", hung=False) from exc
+            raise ServerFailure(
+                f"the server closed the connection during {name} (crashed?): {exc}", hung=False
+            ) from exc
         if exc.code == REQUEST_TIMEOUT:
             return await _timed_out(connection, name, config, time.perf_counter() - started)
         return ToolOutcome(f"Error: {exc}", "tool_error")
     except TimeoutError:
         return await _timed_out(connection, name, config, time.perf_counter() - started)
     except ValidationError as exc:
-        return ToolOutcome(f"Error: the server sent a malformed result: {describe_exception(exc)[:500]}", "tool_error")
+        return ToolOutcome(
+            f"Error: the server sent a malformed result: {describe_exception(exc)[:500]}", "tool_error"
+        )
     except Exception as exc:
         raise ServerFailure(f"transport error during {name}: {describe_exception(exc)}", hung=False) from exc
     text = result_text(result)
@@ -150,7 +164,9 @@ async def call_tool(
     return ToolOutcome(text, "truncated" if cut else "ok")
 
 
-async def _timed_out(connection: ServerConnection, name: str, config: ToolCallConfig, seconds: float) -> ToolOutcome:
+async def _timed_out(
+    connection: ServerConnection, name: str, config: ToolCallConfig, seconds: float
+) -> ToolOutcome:
     if await connection.ping(config.ping_timeout_s):
         return ToolOutcome(
             f"Error: {name} timed out after {config.timeout_s:g} s (the server is still up; try something else).",

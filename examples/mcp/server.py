@@ -57,10 +57,12 @@ stock = dict(INITIAL_STOCK)
 
 
 def _product(name: str) -> str:
+    """The product a name means: its plural (as listed) or singular ("cherry", "mango")."""
     key = name.strip().lower()
-    if key not in stock:
-        raise ToolError(f"unknown product {name!r}; products: {', '.join(sorted(stock))}")
-    return key
+    for candidate in (key, key + "s", key + "es", key[:-1] + "ies"):
+        if candidate in stock:
+            return candidate
+    raise ToolError(f"unknown product {name!r}; products: {', '.join(sorted(stock))}")
 
 
 @server.tool()
