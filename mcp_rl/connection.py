@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any, TextIO
@@ -27,6 +28,8 @@ import httpx2
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPDeprecationWarning, MCPError
+from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
 from integrations.mcp import RecordingClient, record_tool_calls
 from mcp_rl.server_spec import WORKDIR_PLACEHOLDER, ServerSpec
@@ -144,9 +147,16 @@ class ServerConnection:
             self.workdir = None
 
     async def ping(self, timeout_s: float) -> bool:
-        """Whether the server answers a ping within `timeout_s` seconds."""
+        """Whether the server answers a ping within `timeout_s` seconds.
+
+        Protocol 2026-07-28 removed `ping`: a server that answers "method not found" is alive too.
+        """
         try:
-            await asyncio.wait_for(self.client.send_ping(), timeout_s)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", MCPDeprecationWarning)
+                await asyncio.wait_for(self.client.send_ping(), timeout_s)
+        except MCPError as exc:
+            return exc.code not in (CONNECTION_CLOSED, REQUEST_TIMEOUT)
         except Exception:
             return False
         return True

@@ -115,7 +115,7 @@ def endpoint(choice: str, model: TrainableModel) -> JudgeConfig | None:
             model=model.get_inference_name(0),
             base_url=model.inference_base_url,
             api_key=model.inference_api_key,
-            max_tokens=1024,
+            max_tokens=512,
             explanation_max_chars=160,
         )
     return JudgeConfig(model=choice)
