@@ -60,7 +60,12 @@ async def test_door_records_calls_errors_and_latency_into_the_trajectory(model: 
     assert all(c.seconds > 0 for c in calls)
     assert tool_calls_from_logs(trajectory.logs)[0].result == "4"
     m = trajectory.metrics
-    assert (m["tool_calls"], m["tool_errors"], m["tool_calls/stock_level"], m["tool_errors/ship_order"]) == (2, 1, 1, 1)
+    assert (m["tool_calls"], m["tool_errors"], m["tool_calls/stock_level"], m["tool_errors/ship_order"]) == (
+        2,
+        1,
+        1,
+        1,
+    )
     assert m["tool_seconds/stock_level"] > 0 and len(trajectory.turns) == 1
 
 
@@ -75,7 +80,9 @@ async def test_door_records_an_exception_and_raises_it(model: TrainableModel) ->
     finally:
         await connection.close()
     (call,) = tool_calls_from_logs(scope.trajectory.logs)
-    assert call.name == "crash" and call.result is None and call.error is not None and "MCPError" in call.error
+    assert (
+        call.name == "crash" and call.result is None and call.error is not None and "MCPError" in call.error
+    )
     assert scope.trajectory.metrics["tool_errors/crash"] == 1
 
 
@@ -98,12 +105,16 @@ async def test_concurrent_rollouts_on_one_client_never_mix(model: TrainableModel
 
 
 @ASYNC
-async def test_agent_rollout_exact_tokens_tool_messages_and_metrics(model: TrainableModel, tmp_path: Path) -> None:
+async def test_agent_rollout_exact_tokens_tool_messages_and_metrics(
+    model: TrainableModel, tmp_path: Path
+) -> None:
     pool = ServerPool(example_spec(), "per-rollout", log_path=tmp_path / "log")
     connection = await ServerConnection(example_spec()).start()
     catalog = await read_catalog(connection.client)
     await connection.close()
-    trajectories = await asyncio.gather(*(run_agent(model, FIGS, catalog, pool, agent=AGENT) for _ in range(3)))
+    trajectories = await asyncio.gather(
+        *(run_agent(model, FIGS, catalog, pool, agent=AGENT) for _ in range(3))
+    )
     for t in trajectories:
         assert 1 <= len(t.turns) == t.metrics["turns"] <= AGENT.max_turns
         assert t.tools is not None and t.tools[-1]["function"]["name"] == "complete_task"
@@ -115,7 +126,11 @@ async def test_agent_rollout_exact_tokens_tool_messages_and_metrics(model: Train
         assert t.metrics.get("tool_calls", 0) == len(mcp_calls) == len(tool_calls_from_logs(t.logs))
         assert t.metrics["task_completed"] == (t.metadata["answer"] is not None)
         if t.metrics["task_completed"]:
-            assert t.messages[-1] == {"role": "tool", "tool_call_id": calls[-1]["id"], "content": "Task complete."}
+            assert t.messages[-1] == {
+                "role": "tool",
+                "tool_call_id": calls[-1]["id"],
+                "content": "Task complete.",
+            }
     assert pool.stats.starts == 3 and pool.stats.failures == 0
 
 
@@ -129,7 +144,18 @@ async def test_a_server_crash_fails_only_that_rollout(model: TrainableModel, tmp
             catalog = await read_catalog(first.client)
         crash = AgentConfig(max_turns=2, max_tokens=48, tool_choice="crash")
         failed = await run_agent(model, FIGS, catalog, pool, agent=crash)
-        fine = await asyncio.gather(*(run_agent(model, FIGS, catalog, pool, agent=AgentConfig(max_turns=2, max_tokens=48, tool_choice="echo", max_string_chars=8)) for _ in range(2)))
+        fine = await asyncio.gather(
+            *(
+                run_agent(
+                    model,
+                    FIGS,
+                    catalog,
+                    pool,
+                    agent=AgentConfig(max_turns=2, max_tokens=48, tool_choice="echo", max_string_chars=8),
+                )
+                for _ in range(2)
+            )
+        )
     finally:
         await pool.close()
     assert failed.metrics["server_failure"] is True and failed.metrics["turns"] == 1
@@ -146,13 +172,17 @@ async def test_a_server_crash_fails_only_that_rollout(model: TrainableModel, tmp
 
 
 @ASYNC
-async def test_a_hanging_tool_past_the_timeout_fails_the_rollout(model: TrainableModel, tmp_path: Path) -> None:
+async def test_a_hanging_tool_past_the_timeout_fails_the_rollout(
+    model: TrainableModel, tmp_path: Path
+) -> None:
     pool = ServerPool(fault_spec(), "per-rollout", log_path=tmp_path / "log")
     connection = await ServerConnection(fault_spec()).start()
     catalog = await read_catalog(connection.client)
     await connection.close()
     hang = AgentConfig(max_turns=2, max_tokens=48, tool_choice="hang")
-    trajectory = await run_agent(model, FIGS, catalog, pool, agent=hang, tool_config=ToolCallConfig(timeout_s=1.0, ping_timeout_s=1.0))
+    trajectory = await run_agent(
+        model, FIGS, catalog, pool, agent=hang, tool_config=ToolCallConfig(timeout_s=1.0, ping_timeout_s=1.0)
+    )
     assert trajectory.metrics["server_failure"] is True
     assert "hang timed out" in str(trajectory.metadata["failure"]) and pool.stats.hangs == 1
 
@@ -161,7 +191,11 @@ async def test_rewards_combine_the_check_with_ruler_so_a_pass_always_wins() -> N
     from art_core.types import Trajectory, TrajectoryGroup
 
     def traj(answer: str, ruler: float) -> Trajectory:
-        return Trajectory(messages=[{"role": "user", "content": "q"}], metadata={"answer": answer}, metrics={"ruler_score": ruler})
+        return Trajectory(
+            messages=[{"role": "user", "content": "q"}],
+            metadata={"answer": answer},
+            metrics={"ruler_score": ruler},
+        )
 
     group = TrajectoryGroup([traj("there are 4", 0.0), traj("none", 1.0)])
     scored = await score_group(group, FIGS, None)

@@ -35,22 +35,40 @@ async def test_example_server_over_stdio_catalog_and_state(tmp_path: Path) -> No
     connection = await ServerConnection(example_spec(), log_path=log).start()
     try:
         catalog = await read_catalog(connection.client)
-        assert catalog.tool_names == ["list_products", "stock_level", "unit_price", "receive_delivery", "ship_order"]
+        assert catalog.tool_names == [
+            "list_products",
+            "stock_level",
+            "unit_price",
+            "receive_delivery",
+            "ship_order",
+        ]
         stock = catalog.tools[1]["function"]
-        assert stock["parameters"] == {"type": "object", "properties": {"product": {"type": "string"}}, "required": ["product"]}
+        assert stock["parameters"] == {
+            "type": "object",
+            "properties": {"product": {"type": "string"}},
+            "required": ["product"],
+        }
         assert [r.uri for r in catalog.resources] == ["warehouse://policy"]
         assert "fewer than 10 units" in (catalog.resources[0].text or "")
         assert [(p.name, p.arguments) for p in catalog.prompts] == [("restock_review", ["product"])]
         assert catalog.agent_tools()[-1]["function"]["name"] == COMPLETE_TASK
         assert "warehouse://policy" in catalog.describe()
-        first = await call_tool(connection, set(catalog.tool_names), "receive_delivery", '{"product": "figs", "units": 3}', CONFIG)
-        second = await call_tool(connection, set(catalog.tool_names), "stock_level", {"product": "fig"}, CONFIG)
+        first = await call_tool(
+            connection, set(catalog.tool_names), "receive_delivery", '{"product": "figs", "units": 3}', CONFIG
+        )
+        second = await call_tool(
+            connection, set(catalog.tool_names), "stock_level", {"product": "fig"}, CONFIG
+        )
         assert (first.content, first.kind, second.content) == ("7", "ok", "7")  # 4 + 3, state kept
-        error = await call_tool(connection, set(catalog.tool_names), "ship_order", {"product": "figs", "units": 99}, CONFIG)
+        error = await call_tool(
+            connection, set(catalog.tool_names), "ship_order", {"product": "figs", "units": 99}, CONFIG
+        )
         assert error.kind == "tool_error" and "cannot ship 99 figs: 7 in stock" in error.content
     finally:
         await connection.close()
-    assert "ship 99 figs: 7 in stock" in " ".join(log.read_text().split())  # the server's stderr went to the file
+    assert "ship 99 figs: 7 in stock" in " ".join(
+        log.read_text().split()
+    )  # the server's stderr went to the file
 
 
 async def test_example_server_over_http_with_a_header(tmp_path: Path) -> None:
@@ -61,7 +79,9 @@ async def test_example_server_over_http_with_a_header(tmp_path: Path) -> None:
         try:
             catalog = await read_catalog(connection.client)
             assert "unit_price" in catalog.tool_names and catalog.prompts
-            outcome = await call_tool(connection, set(catalog.tool_names), "unit_price", {"product": "kiwis"}, CONFIG)
+            outcome = await call_tool(
+                connection, set(catalog.tool_names), "unit_price", {"product": "kiwis"}, CONFIG
+            )
             assert outcome.content == "0.75"
         finally:
             await connection.close()
@@ -101,12 +121,20 @@ def test_example_scenarios_are_hand_checked_against_the_server() -> None:
 async def test_mcp_server_time_stateless_shared(tmp_path: Path) -> None:
     if shutil.which("mcp-server-time") is None:
         pytest.skip("mcp-server-time is not installed (pip install mcp-server-time; it is in the dev extra)")
-    pool = ServerPool(spec_from_cli(server="mcp-server-time --local-timezone UTC", url=None), "shared", log_path=tmp_path / "log")
+    pool = ServerPool(
+        spec_from_cli(server="mcp-server-time --local-timezone UTC", url=None),
+        "shared",
+        log_path=tmp_path / "log",
+    )
     try:
         async with pool.lease() as connection:
             catalog = await read_catalog(connection.client)
             assert {"get_current_time", "convert_time"} <= set(catalog.tool_names)
-            arguments = {"source_timezone": "America/New_York", "time": "14:30", "target_timezone": "Europe/Paris"}
+            arguments = {
+                "source_timezone": "America/New_York",
+                "time": "14:30",
+                "target_timezone": "Europe/Paris",
+            }
             outcome = await call_tool(connection, set(catalog.tool_names), "convert_time", arguments, CONFIG)
         async with pool.lease() as again:
             assert again is connection  # shared: one server for all
@@ -132,13 +160,23 @@ async def test_mcp_server_git_per_rollout_workdir_copies(tmp_path: Path) -> None
         catalog = await read_catalog(first.client)
         assert first.workdir is not None and first.workdir != repo
         known = set(catalog.tool_names)
-        made = await call_tool(first, known, "git_create_branch", {"repo_path": str(first.workdir), "branch_name": "feature"}, CONFIG)
-        listed = await call_tool(first, known, "git_branch", {"repo_path": str(first.workdir), "branch_type": "local"}, CONFIG)
+        made = await call_tool(
+            first,
+            known,
+            "git_create_branch",
+            {"repo_path": str(first.workdir), "branch_name": "feature"},
+            CONFIG,
+        )
+        listed = await call_tool(
+            first, known, "git_branch", {"repo_path": str(first.workdir), "branch_type": "local"}, CONFIG
+        )
         copy = first.workdir
     assert made.kind == "ok" and "feature" in listed.content
     assert not copy.exists()  # the rollout's copy is removed with its server
     async with pool.lease() as second:
-        fresh = await call_tool(second, known, "git_branch", {"repo_path": str(second.workdir), "branch_type": "local"}, CONFIG)
+        fresh = await call_tool(
+            second, known, "git_branch", {"repo_path": str(second.workdir), "branch_type": "local"}, CONFIG
+        )
     assert fresh.kind == "ok" and "feature" not in fresh.content  # a fresh copy: no state from rollout 1
     assert "feature" not in subprocess.run([*git[:3], "branch"], capture_output=True, text=True).stdout
     assert pool.stats.starts == 2
@@ -158,7 +196,9 @@ async def test_unknown_tool_and_bad_arguments_are_tool_messages() -> None:
         still = await call_tool(connection, FAULT_TOOLS, "echo", {"text": "alive"}, CONFIG)
     finally:
         await connection.close()
-    assert unknown.kind == "unknown_tool" and "Available tools:" in unknown.content and "echo" in unknown.content
+    assert (
+        unknown.kind == "unknown_tool" and "Available tools:" in unknown.content and "echo" in unknown.content
+    )
     assert bad.kind == "bad_arguments" and "not valid JSON" in bad.content
     assert wrong_type.kind == "bad_arguments" and "JSON object" in wrong_type.content
     assert missing.is_error and "ghost" in missing.content
@@ -206,7 +246,9 @@ async def test_a_hung_server_fails_the_call_and_the_shared_server_is_restarted()
         assert failure.value.hung and "did not answer a ping" in failure.value.reason
         async with pool.lease() as fresh:
             assert fresh is not hung
-            assert (await call_tool(fresh, FAULT_TOOLS, "counter", {}, CONFIG)).content == "1"  # a new process
+            assert (
+                await call_tool(fresh, FAULT_TOOLS, "counter", {}, CONFIG)
+            ).content == "1"  # a new process
     finally:
         await pool.close()
     assert (pool.stats.failures, pool.stats.hangs, pool.stats.restarts, pool.stats.starts) == (1, 1, 1, 2)
