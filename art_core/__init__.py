@@ -1,55 +1,40 @@
 """art_core: GRPO + LoRA training for LLM agents, served through an OpenAI-compatible endpoint.
 
-Importing this package is cheap and has no side effects; heavy modules load on first use.
+The user API (ART-compatible) is exported here. Importing this package is cheap and has no side
+effects; heavy modules load on first use. The layers below it are sub-packages (rollouts, capture,
+models, storage, training, engine, server, host, backends, app): see docs/architecture.md.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from art_core._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "Trajectory": "art_core.types",
-    "TrajectoryGroup": "art_core.types",
-    "History": "art_core.types",
-    "Turn": "art_core.types",
-    "gather_trajectory_groups": "art_core.gather",
-    "gather_trajectories": "art_core.gather",
-    "iterate_dataset": "art_core.dataset",
-    "TrainConfig": "art_core.config",
-    "LossConfig": "art_core.loss",
-    "TrainableModel": "art_core.model",
-    "TrainResult": "art_core.backends.base",
-}
-
-__all__ = [
-    "History",
-    "LossConfig",
-    "TrainConfig",
-    "TrainResult",
-    "TrainableModel",
-    "Trajectory",
-    "TrajectoryGroup",
-    "Turn",
-    "gather_trajectories",
-    "gather_trajectory_groups",
-    "iterate_dataset",
-]
-
 if TYPE_CHECKING:
-    from art_core.backends.base import TrainResult
-    from art_core.config import TrainConfig
-    from art_core.dataset import iterate_dataset
-    from art_core.gather import gather_trajectories, gather_trajectory_groups
-    from art_core.loss import LossConfig
-    from art_core.model import TrainableModel
-    from art_core.types import History, Trajectory, TrajectoryGroup, Turn
+    from art_core.backends.base import TrainResult as TrainResult
+    from art_core.model import TrainableModel as TrainableModel
+    from art_core.rollouts.dataset import iterate_dataset as iterate_dataset
+    from art_core.rollouts.groups import gather_trajectories as gather_trajectories
+    from art_core.rollouts.groups import gather_trajectory_groups as gather_trajectory_groups
+    from art_core.rollouts.records import History as History
+    from art_core.rollouts.records import Trajectory as Trajectory
+    from art_core.rollouts.records import TrajectoryGroup as TrajectoryGroup
+    from art_core.rollouts.records import Turn as Turn
+    from art_core.training.config import TrainConfig as TrainConfig
+    from art_core.training.loss import LossConfig as LossConfig
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'art_core' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "art_core.rollouts.records": ("Trajectory", "TrajectoryGroup", "History", "Turn"),
+        "art_core.rollouts.groups": ("gather_trajectory_groups", "gather_trajectories"),
+        "art_core.rollouts.dataset": ("iterate_dataset",),
+        "art_core.training.config": ("TrainConfig",),
+        "art_core.training.loss": ("LossConfig",),
+        "art_core.model": ("TrainableModel",),
+        "art_core.backends.base": ("TrainResult",),
+    },
+)

@@ -14,9 +14,9 @@ from art_core.capture import (
     rollout_base_url,
     server_root,
 )
-from art_core.checkpoints import validate_name
-from art_core.config import TrainConfig
-from art_core.types import TrajectoryGroup
+from art_core.rollouts.records import TrajectoryGroup
+from art_core.storage import validate_name
+from art_core.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

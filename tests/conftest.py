@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
 from art_core.model import TrainableModel  # noqa: E402
-from art_core.models import LoadedModel, load_model, load_tokenizer  # noqa: E402
+from art_core.models.loading import LoadedModel, load_model, load_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from art_core.decoding import DecodeBatch
+from art_core.engine.torch.decoding import DecodeBatch
 
 
 def tiny_llama(layers: int = 2) -> torch.nn.Module:

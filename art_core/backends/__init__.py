@@ -1,38 +1,31 @@
-"""Backends: where models are trained and served (`LocalBackend` in-process, `RemoteBackend` over HTTP)."""
+"""Backends: where models are trained and served (`LocalBackend` in-process, `RemoteBackend` over HTTP).
+
+Exports `Backend`, `LocalBackend`, `RemoteBackend`, `RemoteError`, `ServingConfig`, `TrainResult` and
+`InferenceInfo`. Lazy, so that `art_core.backends.remote` (a light HTTP client) never loads the
+in-process host and torch behind `LocalBackend`.
+"""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-_EXPORTS = {
-    "Backend": "art_core.backends.base",
-    "InferenceInfo": "art_core.backends.base",
-    "TrainResult": "art_core.backends.base",
-    "LocalBackend": "art_core.backends.local",
-    "RemoteBackend": "art_core.backends.remote",
-    "RemoteError": "art_core.backends.remote",
-    "ServingConfig": "art_core.service",
-}
-__all__ = [
-    "Backend",
-    "InferenceInfo",
-    "LocalBackend",
-    "RemoteBackend",
-    "RemoteError",
-    "ServingConfig",
-    "TrainResult",
-]
+from art_core._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from art_core.backends.base import Backend, InferenceInfo, TrainResult
-    from art_core.backends.local import LocalBackend
-    from art_core.backends.remote import RemoteBackend, RemoteError
-    from art_core.service import ServingConfig
+    from art_core.backends.base import Backend as Backend
+    from art_core.backends.base import InferenceInfo as InferenceInfo
+    from art_core.backends.base import TrainResult as TrainResult
+    from art_core.backends.local import LocalBackend as LocalBackend
+    from art_core.backends.remote import RemoteBackend as RemoteBackend
+    from art_core.backends.remote import RemoteError as RemoteError
+    from art_core.host.service import ServingConfig as ServingConfig
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'art_core.backends' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "art_core.backends.base": ("Backend", "InferenceInfo", "TrainResult"),
+        "art_core.backends.local": ("LocalBackend",),
+        "art_core.backends.remote": ("RemoteBackend", "RemoteError"),
+        "art_core.host.service": ("ServingConfig",),
+    },
+)

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel, Field
 
-from art_core.config import TrainConfig
-from art_core.types import TrajectoryGroup
+from art_core.rollouts.records import TrajectoryGroup
+from art_core.training.config import TrainConfig
 
 if TYPE_CHECKING:
     from art_core.model import TrainableModel

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 from art_core.backends.base import InferenceInfo, ModelSpec, ProgressCallback, TrainResult
 from art_core.capture import RolloutRecorder
-from art_core.config import TrainConfig
-from art_core.engine_config import EngineConfig
-from art_core.server import ServerHandle, create_app, serve_in_thread
-from art_core.service import ModelService, ServingConfig
-from art_core.types import TrajectoryGroup
+from art_core.engine.config import EngineConfig
+from art_core.host.service import ModelService, ServingConfig
+from art_core.rollouts.records import TrajectoryGroup
+from art_core.server.app import ServerHandle, create_app, serve_in_thread
+from art_core.training.config import TrainConfig
 
 if TYPE_CHECKING:
     from art_core.model import TrainableModel

@@ -7,7 +7,7 @@ client = model.openai_client()         # talks to the server's /v1 directly
 await model.train(groups, on_progress=lambda phase, metrics: print(phase))
 ```
 
-The routes are described in `art_core.training_api`. This module imports neither the server
+The routes are described in `art_core.host.routes`. This module imports neither the server
 nor the trainer, so a client process does not load transformers.
 
 Timeouts: one long, configurable timeout (default an hour) per read, so registering a big
@@ -29,8 +29,8 @@ import httpx
 from pydantic_core import to_jsonable_python
 
 from art_core.backends.base import InferenceInfo, ModelSpec, ProgressCallback, TrainResult
-from art_core.config import TrainConfig
-from art_core.types import TrajectoryGroup
+from art_core.rollouts.records import TrajectoryGroup
+from art_core.training.config import TrainConfig
 
 if TYPE_CHECKING:
     from art_core.model import TrainableModel

@@ -1,0 +1,290 @@
+"""The `art` command: `art demo` trains the embedded default model; `art serve` hosts models for
+`RemoteBackend` clients; `art runs` lists runs."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+from dataclasses import asdict, fields
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+if TYPE_CHECKING:
+    from art_core.host.service import ServingConfig
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL for the LLM agents you already have.")
+console = Console(stderr=True)
+
+
+@app.command()
+def demo(
+    model: Annotated[str, typer.Option(help="Base model: alias, HF folder, .gguf file or cached hub id.")] = (
+        "smollm2-135m"
+    ),
+    steps: Annotated[int, typer.Option(help="Training steps.")] = 30,
+    group_size: Annotated[int, typer.Option(help="Rollouts per scenario.")] = 8,
+    scenarios_per_step: Annotated[int, typer.Option(help="Scenarios (groups) per step.")] = 4,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per reply.")] = 24,
+    learning_rate: Annotated[float, typer.Option(help="LoRA learning rate.")] = 3e-4,
+    path: Annotated[Path, typer.Option(help="Where checkpoints and history go.")] = Path(".art"),
+    name: Annotated[str, typer.Option(help="Model name (resumes if it exists).")] = "demo-001",
+    plot: Annotated[Path, typer.Option(help="Reward-curve PNG to write.")] = Path("demo_reward.png"),
+    as_json: Annotated[bool, typer.Option("--json", help="End with a one-line JSON summary.")] = False,
+) -> None:
+    """Train SmolLM2-135M-Instruct (on CPU) to recommend bananas, and show the reward rise."""
+    from art_core.app.demo import DemoConfig, run_demo
+    from art_core.app.plotting import plot_reward_curve
+
+    _quiet_logs()
+    config = DemoConfig(
+        base_model=model,
+        steps=steps,
+        group_size=group_size,
+        scenarios_per_step=scenarios_per_step,
+        max_tokens=max_tokens,
+        learning_rate=learning_rate,
+        path=path,
+        name=name,
+    )
+    with Progress(
+        TextColumn("[bold]art demo"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("loading model…", total=steps)
+
+        def on_step(step: int, reward: float, seconds: float) -> None:
+            progress.update(task, completed=step, description=f"reward {reward:.2f}")
+
+        summary = asyncio.run(run_demo(config, on_step))
+    history = [{"step": i + 1, "train/reward": r} for i, r in enumerate(summary.rewards)]
+    plot_reward_curve(history, plot, title=f"art demo: {model}")
+    console.print(
+        f"reward {summary.first_reward:.2f} (first {min(5, summary.steps)} steps) -> "
+        f"{summary.last_reward:.2f} (last {min(5, summary.steps)}) in {summary.steps} steps, "
+        f"{summary.seconds:.0f} s. Curve: {plot}; checkpoints: {path / 'demo' / 'models' / name}"
+    )
+    if summary.start_step:
+        console.print(
+            f"[yellow]{name} resumed at step {summary.start_step}[/yellow] (its earlier run trained it); "
+            "for a fresh run pass another --name or delete that folder."
+        )
+    if as_json:
+        fields = {k: v for k, v in asdict(summary).items() if k not in ("rewards", "start_step")}
+        print(json.dumps(fields))
+
+
+@app.command()
+def runs(path: Annotated[Path, typer.Option(help="The storage folder.")] = Path(".art")) -> None:
+    """List the models stored under PATH with their latest step and reward."""
+    from art_core.storage import ModelStorage
+
+    found = False
+    for model_dir in sorted(path.glob("*/models/*")):
+        storage = ModelStorage(model_dir)
+        history = storage.read_history()
+        last = history[-1] if history else {}
+        reward = last.get("train/reward")
+        shown = f"{reward:.3f}" if isinstance(reward, (int, float)) else "-"
+        console.print(
+            f"{model_dir.parent.parent.name}/{model_dir.name}: step {storage.latest_step()}, reward {shown}"
+        )
+        found = True
+    if not found:
+        console.print(f"no runs under {path}")
+
+
+class EngineName(StrEnum):
+    """`art serve --engine`."""
+
+    torch = "torch"
+    vllm = "vllm"
+
+
+@app.command()
+def serve(
+    host: Annotated[
+        str, typer.Option(help="Interface to bind. Anything but loopback needs an API key.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 7999,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="ART_API_KEY",
+            show_default=False,
+            help="Bearer key every request must carry (checked on every route). Required off loopback.",
+        ),
+    ] = None,
+    path: Annotated[Path, typer.Option(help="Where checkpoints and history go.")] = Path(".art"),
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    max_queued_rows: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            show_default=False,
+            help="Per model: most completions queued or decoding at once; past it requests get 429 with "
+            "Retry-After. Default: EngineConfig.max_queued_rows (2048).",
+        ),
+    ] = None,
+    prefix_cache_mib: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            show_default=False,
+            help="Per model: MiB for the prefix cache (keys and values of recent prompts and completions, "
+            "so a prompt that starts like an earlier one prefills only its new tokens); 0 turns it off. "
+            "Default: EngineConfig.prefix_cache_mib (512).",
+        ),
+    ] = None,
+    max_concurrent_requests: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            show_default=False,
+            help="Most HTTP requests in flight (all routes but /health); past it requests get 503 with "
+            "Retry-After. Default: 4096.",
+        ),
+    ] = None,
+    engine: Annotated[
+        EngineName,
+        typer.Option(
+            help="torch: TorchEngine serves the model being trained (CPU default). vllm: vLLM serves, "
+            "each step's LoRA hot-loaded (NAME: the newest step, NAME@STEP: that step) while the trainer "
+            "trains here (on the GPU if any); "
+            "needs vLLM (the `vllm` extra, or scripts/setup_vllm_cpu.sh on CPU)."
+        ),
+    ] = EngineName.torch,
+    vllm_option: Annotated[
+        list[str] | None,
+        typer.Option(
+            show_default=False,
+            metavar="KEY=VALUE",
+            help="With --engine vllm: a VLLMEngineConfig field, repeatable; the value is read as JSON when "
+            "it parses, else as a string. E.g. --vllm-option dtype=float32 --vllm-option kv_cache_gib=2 "
+            "--vllm-option gpu_memory_utilization=0.4.",
+        ),
+    ] = None,
+) -> None:
+    """Host inference and training for any number of models; clients connect with RemoteBackend.
+
+    No model is loaded at start: each client registers its own (`await model.register(backend)`).
+    """
+    if not api_key and not _is_loopback(host):
+        console.print(
+            f"[red]art serve: refusing to listen on {host!r} without an API key.[/] Pass --api-key KEY "
+            "or set ART_API_KEY, or bind 127.0.0.1 (the default).",
+            soft_wrap=True,
+        )
+        raise typer.Exit(2)
+    import uvicorn
+
+    from art_core.engine.config import EngineConfig
+    from art_core.engine.vllm.config import VLLMNotInstalledError
+    from art_core.host.routes import create_server_app
+    from art_core.host.service import ModelService
+    from art_core.server.app import KEEP_ALIVE_S
+    from art_core.server.middleware import MAX_CONCURRENT_REQUESTS
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[_rich_handler()])
+    torch_flags = [
+        flag
+        for flag, value in (("--max-queued-rows", max_queued_rows), ("--prefix-cache-mib", prefix_cache_mib))
+        if value is not None
+    ]
+    try:
+        engine_config = EngineConfig(
+            max_queued_rows=EngineConfig.max_queued_rows if max_queued_rows is None else max_queued_rows,
+            prefix_cache_mib=EngineConfig.prefix_cache_mib if prefix_cache_mib is None else prefix_cache_mib,
+        )
+        serving = serving_config(engine.value, vllm_option or [])
+        if serving.engine == "vllm" and torch_flags:
+            flags = ", ".join(torch_flags)
+            raise ValueError(f"{flags} applies to the torch engine; vLLM has its own queue and prefix cache")
+        service = ModelService(path, engine_config, serving=serving)
+    except (ValueError, TypeError, VLLMNotInstalledError) as exc:
+        console.print(f"[red]art serve:[/] {_escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2) from exc
+    max_in_flight = max_concurrent_requests or MAX_CONCURRENT_REQUESTS
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}"
+    auth = "an API key is required" if api_key else "no API key (loopback only)"
+    console.print(
+        f"art serve: {url} (OpenAI base URL {url}/v1), storage {path}, {auth}, engine {serving.engine}",
+        soft_wrap=True,
+    )
+    try:
+        app = create_server_app(service, api_key=api_key, max_concurrent_requests=max_in_flight)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S)
+    finally:
+        service.close()
+
+
+def serving_config(engine: str, vllm_options: list[str]) -> ServingConfig:
+    """The ServingConfig for `--engine` and its `--vllm-option KEY=VALUE`s; raises ValueError, TypeError."""
+    from art_core.engine.vllm.config import VLLMEngineConfig
+    from art_core.host.service import ServingConfig
+
+    if engine != "vllm":
+        if vllm_options:
+            raise ValueError("--vllm-option needs --engine vllm")
+        return ServingConfig(engine="torch")
+    known = {f.name for f in fields(VLLMEngineConfig)}
+    options: dict[str, Any] = {}
+    for option in vllm_options:
+        key, sep, text = option.partition("=")
+        if not sep or key not in known:
+            raise ValueError(
+                f"--vllm-option {option!r}: use KEY=VALUE with KEY one of {', '.join(sorted(known))}"
+            )
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key] = text
+    return ServingConfig(engine="vllm", vllm=VLLMEngineConfig(**options))
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _rich_handler() -> logging.Handler:
+    from rich.logging import RichHandler
+
+    return RichHandler(console=console)
+
+
+def _quiet_logs() -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[RichHandler(console=console)])
+    for noisy in ("httpx", "transformers", "peft", "uvicorn", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

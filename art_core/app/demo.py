@@ -1,0 +1,154 @@
+"""The built-in demo task: a fruit stand's assistant learns to recommend bananas.
+
+It is written the way a user writes any task: a rollout function that talks to the model
+through the OpenAI client, a reward function, and the gather -> train loop. The reward is
+1.0 when the reply recommends bananas and 0.0 otherwise; SmolLM2-135M-Instruct does so
+rarely at first, so a rising curve is learning, not luck.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from art_core.backends.local import LocalBackend
+from art_core.model import TrainableModel
+from art_core.rollouts.dataset import iterate_dataset
+from art_core.rollouts.groups import gather_trajectory_groups
+from art_core.rollouts.records import Trajectory, TrajectoryGroup
+from art_core.training.config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+SYSTEM_PROMPT = "You are the friendly assistant of a fruit stand. Answer in one short sentence."
+SCENARIOS = [
+    "Which fruit should I buy today?",
+    "Recommend a fruit for my breakfast.",
+    "What is a good snack to take on a hike?",
+    "I need a fruit for a smoothie. Any suggestion?",
+    "What fruit would you give a child?",
+    "Suggest one fruit that is easy to peel.",
+    "What should I eat before going for a run?",
+    "Which fruit goes well with cereal?",
+]
+
+
+def reward(reply: str) -> float:
+    """1.0 if the reply mentions bananas, else 0.0."""
+    return 1.0 if "banana" in reply.lower() else 0.0
+
+
+async def rollout(model: TrainableModel, scenario: str, max_tokens: int) -> Trajectory:
+    """One conversation with the model being trained, scored by `reward`."""
+    client = model.openai_client()
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": scenario}]
+    completion = await client.chat.completions.create(
+        model=model.get_inference_name(), messages=messages, max_tokens=max_tokens, temperature=1.0
+    )
+    choice = completion.choices[0]
+    return Trajectory(
+        messages_and_choices=[*messages, choice],
+        reward=reward(choice.message.content or ""),
+        metadata={"scenario": scenario},
+    )
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Settings of `art demo`."""
+
+    base_model: str = "smollm2-135m"
+    """The model to train (alias, local folder, .gguf file or cached hub id)."""
+    steps: int = 30
+    """Training steps."""
+    scenarios_per_step: int = 4
+    """Groups per step."""
+    group_size: int = 8
+    """Rollouts per scenario; GRPO compares them with each other."""
+    max_tokens: int = 24
+    """Tokens per reply."""
+    learning_rate: float = 3e-4
+    """LoRA learning rate."""
+    lora_rank: int = 16
+    """LoRA rank."""
+    path: Path = Path(".art")
+    """Where checkpoints, history and trajectories go."""
+    name: str = "demo-001"
+    """The model's name (a folder under `<path>/demo/models/`)."""
+    seed: int = 0
+    """Seed of the scenario order."""
+
+    def __post_init__(self) -> None:
+        for field_name in ("steps", "scenarios_per_step", "group_size", "max_tokens", "lora_rank"):
+            if getattr(self, field_name) < 1:
+                raise ValueError(f"{field_name} must be >= 1, got {getattr(self, field_name)}")
+        if self.group_size < 2:
+            raise ValueError("group_size must be >= 2: GRPO needs at least two rollouts to compare")
+
+
+@dataclass(frozen=True)
+class DemoSummary:
+    """Mean reward of the first and last steps (up to 5 each), steps run and wall time."""
+
+    first_reward: float
+    last_reward: float
+    steps: int
+    seconds: float
+    rewards: list[float]
+    start_step: int = 0
+    """The step the model was at before this run (> 0: it resumed an existing model)."""
+
+
+StepCallback = Callable[[int, float, float], None]
+"""Called after each step with (step index, mean reward, seconds so far)."""
+
+
+async def run_demo(config: DemoConfig, on_step: StepCallback | None = None) -> DemoSummary:
+    """Train `config.base_model` on the fruit-stand task and return the reward summary."""
+    started = time.perf_counter()
+    model = TrainableModel(
+        project="demo", name=config.name, base_model=config.base_model, lora_rank=config.lora_rank
+    )
+    backend = LocalBackend(config.path)
+    rewards: list[float] = []
+    start_step = 0
+    try:
+        await model.register(backend)
+        train_config = TrainConfig(learning_rate=config.learning_rate)
+        start_step = await model.get_step()
+        batches = iterate_dataset(
+            SCENARIOS,
+            groups_per_step=config.scenarios_per_step,
+            num_epochs=10**6,
+            initial_step=start_step,
+            seed=config.seed,
+        )
+        for batch in batches:
+            if batch.step >= start_step + config.steps:
+                break
+            groups = await gather_trajectory_groups(
+                (
+                    TrajectoryGroup(rollout(model, s, config.max_tokens) for _ in range(config.group_size))
+                    for s in batch.items
+                ),
+                pbar=False,
+            )
+            step_rewards = [t.checked_reward() for g in groups for t in g.trajectories]
+            rewards.append(sum(step_rewards) / len(step_rewards))
+            await model.train(groups, config=train_config)
+            if on_step is not None:
+                on_step(len(rewards), rewards[-1], time.perf_counter() - started)
+    finally:
+        await backend.close()
+    window = min(5, len(rewards))
+    return DemoSummary(
+        first_reward=sum(rewards[:window]) / max(window, 1),
+        last_reward=sum(rewards[-window:]) / max(window, 1),
+        steps=len(rewards),
+        seconds=time.perf_counter() - started,
+        rewards=rewards,
+        start_step=start_step,
+    )

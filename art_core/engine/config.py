@@ -1,0 +1,125 @@
+"""The engine's plain records: what it is asked (`GenerationRequest`), how it batches (`EngineConfig`)
+and what it counted (`EngineStats`).
+
+Re-exported by `art_core.engine.torch.engine`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from art_core.engine.grammar import Grammar
+from art_core.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt to complete `params.n` times."""
+
+    prompt_ids: list[int]
+    """The rendered prompt's token ids."""
+    params: SamplingParams
+    """How to sample."""
+    adapter: str | None = None
+    """The peft adapter name to sample with; None = the base model."""
+    grammar: Grammar | None = None
+    """Constrained decoding (JSON schema, forced tool call); None = free text."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches."""
+
+    max_batch_size: int = 32
+    """Most rows (completions) decoded together; a request's n rows may span batches."""
+    max_queued_rows: int = 2048
+    """Admission control: most rows (a request counts its n) in the engine at once, queued or
+    decoding, including those waiting while the engine is paused for training. A request that
+    would go past it fails at once with `EngineOverloadedError` (HTTP 429 + Retry-After) instead
+    of waiting without bound; one whose n alone is larger is an `InvalidRequestError` (400). 2048
+    is 4x what 64 concurrent rollouts with n=8 hold; a queued row costs little memory (its
+    sampler state; the prompt ids are shared by the request's rows)."""
+    max_context: int | None = None
+    """Prompt + completion token limit; None = the model config's `max_position_embeddings`."""
+    stop_on_eos: bool = True
+    """Also end rows on the model's eos ids (generation config and tokenizer), not only on stop_token_ids."""
+    prune_fraction: float = 0.25
+    """Drop finished rows from the running batch (a KV-cache copy) once they are this fraction of it."""
+    prefix_cache_mib: int = 512
+    """Memory for the prefix cache (MiB; 0 turns it off): the keys and values of recent prompts and
+    completions of the served adapter, so a prompt that starts like one decoded before (an agent's
+    next turn, a group's shared scenario) prefills only its new tokens. SmolLM2-135M in bfloat16
+    holds ~23k tokens in 512 MiB. Emptied whenever the serving copy is re-merged."""
+    batch_wait_s: float = 0.005
+    """A new batch waits until no request has arrived for this long, so a burst of HTTP requests
+    (they arrive ~1 ms apart as the server parses them) starts as one batch rather than one batch
+    and a join (one more prefill forward, one more cache copy)."""
+    batch_wait_max_s: float = 0.05
+    """...but starts at most this long after the worker saw its first request."""
+    merged_serving: bool = True
+    """Decode the served adapter's rows on a copy of the weights with that adapter merged in (fast);
+    False runs every row through the model as given (peft's per-row adapter path: slow, no extra memory)."""
+    serve_adapter: str | None = None
+    """The adapter merged into the serving copy: None = the peft model's active adapter when the engine
+    starts (the trainer's), "__base__" = the base model (also what a plain model serves)."""
+    serve_dtype: torch.dtype | str = "auto"
+    """dtype of the serving copy. "auto": bfloat16 for a peft model where the hardware has fast bf16
+    (CUDA, or a CPU with AMX or AVX512-BF16), else the model's dtype; a plain model is then served as
+    it is (no copy). A dtype: always that one (a plain model in another dtype gets a cast copy). bf16
+    logprobs differ from the fp32 trainer's (SmolLM2: ~0.03 nats on average, up to ~0.15), a mismatch
+    the trainer's truncated importance sampling corrects; float32 reproduces peft's logprobs to ~1e-5."""
+
+    def __post_init__(self) -> None:
+        if self.serve_dtype != "auto" and not (
+            isinstance(self.serve_dtype, torch.dtype) and self.serve_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"serve_dtype must be 'auto' or a floating-point torch dtype such as torch.bfloat16, "
+                f"got {self.serve_dtype!r}"
+            )
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_queued_rows < 1:
+            raise ValueError(f"max_queued_rows must be >= 1, got {self.max_queued_rows}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(
+                f"max_context must be >= 2 (a prompt token and a new one), got {self.max_context}"
+            )
+        if self.prefix_cache_mib < 0:
+            raise ValueError(
+                f"prefix_cache_mib must be >= 0 (0 turns the cache off), got {self.prefix_cache_mib}"
+            )
+        if not 0 <= self.batch_wait_s <= 1:
+            raise ValueError(f"batch_wait_s must be between 0 and 1 second, got {self.batch_wait_s}")
+        if not 0 <= self.batch_wait_max_s <= 1:
+            raise ValueError(f"batch_wait_max_s must be between 0 and 1 second, got {self.batch_wait_max_s}")
+        if not 0 < self.prune_fraction <= 1:
+            raise ValueError(f"prune_fraction must be in (0, 1], got {self.prune_fraction}")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters since the engine started."""
+
+    batches: int
+    """Batches decoded."""
+    rows: int
+    """Completions decoded."""
+    tokens: int
+    """Tokens sampled."""
+    max_batch_rows: int
+    """Largest batch so far, in rows."""
+    merges: int = 0
+    """Times the serving copy was (re-)merged, including at construction; 0 without one."""
+    aborted: int = 0
+    """Rows ended early because their request was cancelled (a closed stream, a cancelled call)."""
+    joins: int = 0
+    """Times queued rows joined a running batch (continuous batching)."""
+    joined_rows: int = 0
+    """Rows that joined a running batch rather than starting one."""
+    prompt_tokens: int = 0
+    """Prompt tokens looked up in the prefix cache (the served adapter's distinct prompts)."""
+    cached_prompt_tokens: int = 0
+    """Of those, the tokens the prefix cache held, which their prefill skipped."""

@@ -1,0 +1,717 @@
+"""The inference engine: batched generation with per-row LoRA adapters, on transformers + peft.
+
+`TorchEngine` owns one worker thread that does all torch compute. `generate` (async, callable
+from any event loop and from many coroutines at once) queues the request's n rows and awaits a
+future the worker resolves. The worker takes the queued rows (up to `max_batch_size`) and
+decodes them as one left-padded batch with a KV cache: a prefill, then token-by-token decoding
+in our own loop; each row ends on its own (stop ids, eos, stop strings, max_tokens) and its
+request is answered as soon as its last row ends. A batch starts once no request has arrived
+for `batch_wait_s` (5 ms; at most `batch_wait_max_s`, 50 ms, after the first), so a burst of
+HTTP requests lands in one prefill.
+
+Continuous batching. Between decode steps, rows queued meanwhile join the running batch while
+it has room: they are prefilled together and their cache is joined to the batch's, left-padded
+(`art_core.engine.torch.kv_cache.join_caches`). Without it, 32 concurrent HTTP requests of SmolLM2 arrived as
+two batches, the second waiting for the whole first one: 190 tok/s over HTTP against 294 with
+joining (bench/serve_throughput.py, 2 cores). We chose it over padded waves after measuring
+both here; transformers' own continuous-batching manager measured 0.5-0.75x a padded batch
+(/work/shared/reference/decoding.md), so the loop stays ours. A pause, an adapter operation or
+a re-merge of the serving copy stops admission so the running batch drains (no starvation);
+so do queued rows of the other lane (serving copy vs peft model), which share the next batch.
+
+Decode steps of the merged serving copy run `art_core.engine.torch.decode_step` (the model's own modules,
+without transformers' per-call machinery) when the architecture is supported (Llama, Qwen2).
+
+Admission control (`art_core.engine.admission`). A request that would put more than
+`EngineConfig.max_queued_rows` rows in the engine (queued, decoding, or waiting out a pause) is
+refused at once with `EngineOverloadedError` and a Retry-After estimated from the recent decoding
+rate (HTTP 429), never an unbounded wait or queue.
+
+Serving weights. Rows for the served adapter (by default the peft model's active adapter when
+the engine starts: the trainer's "live" adapter in the service) decode on a `MergedWeights`
+copy: a plain model in `serve_dtype` (bfloat16 where the hardware has fast bf16) with that
+adapter merged into the base weights, so they run no peft code at all (SmolLM2-135M with a
+r=16 LoRA, 32 requests x 64 tokens on 2 threads: ~250 tok/s, against ~120 for peft's per-row
+fp32 path; `bench/engine_speed.py`). Other rows (the base model, checkpoints loaded with
+`add_adapter`) run through the peft model with per-row `adapter_names`, exactly as trained.
+A batch whose rows need both runs as two sub-batches, one after the other.
+
+Staleness contract: the copy never serves weights older than the source model's.
+- Before every batch the worker compares cheap stamps (identity, storage, torch version
+  counter) of every source tensor and re-merges the ones that changed (a train step: the LoRA
+  layers only, ~0.15 s for SmolLM2; no change: ~4 ms).
+- `resume()` (the end of a train step) re-merges everything on the worker, at once, even if
+  no request is waiting: this also covers writes the version counter misses (`p.data.copy_`).
+- `weights_updated()` asks for the same full re-merge without a pause (after changing the
+  weights outside `pause()`/`resume()`, which the trainer should not do while serving).
+
+Streaming. `generate_stream` queues the same rows but returns a `TokenStream` (see
+`art_core.engine.torch.streaming`): each row's tokens as they are sampled, batched per burst into one event
+loop callback, and each row's completion as soon as it ends. Closing the stream (a client that
+disconnects) cancels the request: its decoding rows end at their next token (finish reason
+"abort", counted in `EngineStats.aborted`). A cancelled `generate` call does the same.
+
+Shared prompt prefixes. Rows of one batch (or of one group of joiners) whose prompts start with
+the same tokens (a system prompt, the n completions of a request, a GRPO group) prefill that prefix
+once (`decoding.shared_prompt_length`, at least 16 tokens): SmolLM2's chat prompts share ~30 of
+~38 tokens, so a burst's prefill runs ~4x fewer tokens. Left out: reusing a prefix across batches
+(a prefix cache).
+
+The engine's records (`GenerationRequest`, `EngineConfig`, `EngineStats`) live in
+`art_core.engine.config`, the `Engine` protocol in `art_core.engine.protocol` and its errors in
+`art_core.engine.errors`; all are re-exported here, so `from art_core.engine.torch.engine import ...` keeps
+working.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from art_core.engine.admission import Admission, RateWindow
+from art_core.engine.config import EngineConfig, EngineStats, GenerationRequest
+from art_core.engine.errors import (
+    ContextLengthError,
+    EngineClosedError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    UnknownAdapterError,
+)
+from art_core.engine.grammar import RowConstraint
+from art_core.engine.protocol import Engine
+from art_core.engine.sampling import row_seed
+from art_core.engine.torch.decoding import BASE_ADAPTER, Completion, DecodeBatch, RowState
+from art_core.engine.torch.prefix_cache import PrefixCache
+from art_core.engine.torch.serving_weights import UnsupportedAdapterError, peft_model_of, serving_copy
+from art_core.engine.torch.streaming import DeltaChannel, TokenStream
+
+__all__ = [  # the names moved out of this module stay importable from it
+    "Completion",
+    "ContextLengthError",
+    "Engine",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineOverloadedError",
+    "EngineStats",
+    "GenerationRequest",
+    "InvalidRequestError",
+    "TorchEngine",
+    "UnknownAdapterError",
+]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class _Job:
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[list[Completion]]
+    results: list[Completion | None]
+    remaining: int
+    done: bool = False
+    channel: DeltaChannel | None = None
+    """Where the rows' tokens stream to (`generate_stream`); None for `generate`."""
+
+    def on_token(self, row: RowState) -> bool:
+        """`RowState.on_token` (worker thread): stream the token; False once nobody waits for the rows."""
+        if self.done:
+            return False
+        if self.channel is not None:
+            self.channel.push(row)
+        return True
+
+    def resolve(self, value: list[Completion] | BaseException) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.channel is not None:
+            self.channel.finish(value)
+            return
+        try:
+            self.loop.call_soon_threadsafe(_settle, self.future, value)
+        except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+            pass
+
+
+def _settle(future: asyncio.Future[list[Completion]], value: list[Completion] | BaseException) -> None:
+    if future.done():
+        return
+    if isinstance(value, BaseException):
+        future.set_exception(value)
+    else:
+        future.set_result(value)
+
+
+@contextmanager
+def _modes_kept(model: torch.nn.Module, eval_inside: bool = False) -> Iterator[None]:
+    """Restore every module's training flag on exit (peft's `load_adapter` calls `model.eval()`)."""
+    flags = [(module, module.training) for module in model.modules()]
+    if eval_inside:
+        model.eval()
+    try:
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+class TorchEngine:
+    """Batched generation on a transformers model (optionally a peft `PeftModel` with LoRA adapters).
+
+    Sharing the model with a trainer in the same process: call `pause()` before training and
+    `resume()` after. `pause()` waits for the running batch (and adapter loads) to finish and
+    keeps the worker from starting another; requests that arrive meanwhile wait in the queue (none
+    is rejected or lost). While paused the model belongs to the caller: `add_adapter` and
+    `remove_adapter` then run at once in the calling thread (e.g. the trainer loading the
+    checkpoint it just saved); otherwise they run on the worker between batches. The engine never
+    changes the trainer's state: each batch runs under `torch.inference_mode` in the worker
+    thread; rows of the served adapter run on the separate serving copy (see the module
+    docstring: `resume()` re-merges it); other rows run on the model itself, in eval mode (every
+    module's training flag is restored afterwards), selecting adapters per row through peft's
+    `adapter_names` (base rows use "__base__"), so the active adapter and `requires_grad` flags
+    are untouched. Adapters are loaded with `is_trainable=False`. If the model is a plain
+    transformers model, the first `add_adapter` wraps it in a `PeftModel`, which injects LoRA
+    layers into the model's modules in place.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        self._model = model
+        self._tokenizer = tokenizer
+        self.config = config
+        self.max_context = config.max_context or int(model.config.max_position_embeddings)
+        self._eos_ids = _eos_ids(model, tokenizer) if config.stop_on_eos else frozenset()
+        self._vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self._rng = torch.Generator()
+        self._rng.seed()
+        self._cond = threading.Condition()
+        self._rows: deque[RowState] = deque()
+        self._ops: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        self._paused = self._busy = self._closed = False
+        self._arrived = 0.0  # when rows were last queued (monotonic): a batch waits for a burst
+        self._death: BaseException | None = None
+        self._added: set[str] = set()
+        self._stats = EngineStats(0, 0, 0, 0)
+        self._admission = Admission(config.max_queued_rows)  # counted and released holding _cond
+        self._serving = (
+            serving_copy(model, config.serve_adapter, config.serve_dtype) if config.merged_serving else None
+        )
+        mib = config.prefix_cache_mib
+        self._prefix = PrefixCache(mib * 2**20) if mib and self._serving is not None else None
+        self._resync = False  # a full re-merge of the serving copy is due (set by resume, weights_updated)
+        self._thread = threading.Thread(target=self._work, name="art-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def model(self) -> Any:
+        """The model the engine runs (a `PeftModel` once adapters were added to a plain model)."""
+        return self._model
+
+    @property
+    def serving_model(self) -> Any | None:
+        """The merged serving copy's plain model (None without one), for inspection and benchmarks."""
+        return self._serving.model if self._serving is not None else None
+
+    @property
+    def served_adapter(self) -> str | None:
+        """The adapter whose rows decode on the serving copy (None: the base model, or no copy)."""
+        return self._serving.adapter if self._serving is not None else None
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> list[Completion]:
+        """Sample `request.params.n` completions.
+
+        Raises InvalidRequestError (ContextLengthError; n above `max_queued_rows`),
+        UnknownAdapterError, EngineOverloadedError (the engine is full: retry later) and
+        EngineClosedError.
+        """
+        self._check_request(request)
+        n = request.params.n
+        self._admit(n)  # counted until this call returns, however it ends
+        try:
+            loop = asyncio.get_running_loop()
+            job = _Job(request, loop, loop.create_future(), [None] * n, n)
+            max_new = min(request.params.max_tokens, self.max_context - len(request.prompt_ids))
+            rows = [self._row(job, i, max_new) for i in range(n)]
+            with self._cond:
+                if self._closed:
+                    raise EngineClosedError("the engine is closed") from self._death
+                self._rows.extend(rows)
+                self._arrived = time.monotonic()
+                self._cond.notify_all()
+            try:
+                return await job.future
+            except asyncio.CancelledError:
+                job.done = True  # its queued rows are skipped
+                raise
+        finally:
+            with self._cond:
+                self._admission.release(n)
+
+    def generate_stream(self, request: GenerationRequest) -> TokenStream:
+        """`generate`, streamed: each row's tokens as they are sampled (see `art_core.engine.torch.streaming`).
+
+        Call it on the event loop that iterates the stream. Raises at once what `generate` raises
+        before queueing (InvalidRequestError, UnknownAdapterError, EngineOverloadedError,
+        EngineClosedError); a failure while decoding comes out of the iteration. The rows count
+        against `max_queued_rows` until the stream ends or is closed; closing it early cancels them.
+        """
+        self._check_request(request)
+        loop = asyncio.get_running_loop()
+        n = request.params.n
+        self._admit(n)
+        channel = DeltaChannel(loop, self._tokenizer)
+        job = _Job(request, loop, loop.create_future(), [None] * n, n, channel=channel)
+
+        def cancel() -> None:  # once (TokenStream.close): the stream ended, or its consumer left early
+            job.done = True  # queued rows are skipped, decoding rows end at their next token
+            with self._cond:
+                self._admission.release(n)
+
+        max_new = min(request.params.max_tokens, self.max_context - len(request.prompt_ids))
+        try:
+            rows = [self._row(job, i, max_new) for i in range(n)]
+        except BaseException:  # e.g. a grammar that fails to start: give the admitted rows back
+            cancel()
+            raise
+        with self._cond:
+            closed = self._closed
+            if not closed:
+                self._rows.extend(rows)
+                self._arrived = time.monotonic()
+                self._cond.notify_all()
+        if closed:
+            cancel()
+            raise EngineClosedError("the engine is closed") from self._death
+        return TokenStream(channel, cancel)
+
+    def pending_rows(self) -> int:
+        """Rows admitted and not yet answered: queued, decoding, or waiting out a pause."""
+        with self._cond:
+            return self._admission.rows
+
+    def _admit(self, n: int) -> None:
+        """Count `n` rows against `max_queued_rows`; EngineOverloadedError if they do not fit."""
+        with self._cond:
+            if self._closed:
+                raise EngineClosedError("the engine is closed") from self._death
+            self._admission.admit(n)
+
+    def _check_request(self, request: GenerationRequest) -> None:
+        if request.params.n > self.config.max_queued_rows:
+            raise InvalidRequestError(
+                f"n={request.params.n} is more than this engine ever admits at once "
+                f"(EngineConfig.max_queued_rows={self.config.max_queued_rows}); ask for fewer completions "
+                "per request"
+            )
+        n_prompt = len(request.prompt_ids)
+        if n_prompt == 0:
+            raise InvalidRequestError("prompt_ids is empty: the engine needs at least one prompt token")
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self._vocab_size:
+            raise InvalidRequestError(
+                f"prompt_ids must be token ids in [0, {self._vocab_size}); got one outside"
+            )
+        if n_prompt > self.max_context - 1:
+            raise ContextLengthError(
+                f"the prompt has {n_prompt} tokens but the context window is {self.max_context} tokens "
+                f"(prompt + completion); shorten the prompt to at most {self.max_context - 1} tokens"
+            )
+        if request.adapter is not None and request.adapter not in self.adapters():
+            raise UnknownAdapterError(
+                f"adapter {request.adapter!r} is not loaded; loaded: {self.adapters()} (call add_adapter first)"
+            )
+
+    def _row(self, job: _Job, index: int, max_new: int) -> RowState:
+        params = job.request.params
+        generator = self._rng
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(row_seed(params.seed, index))
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
+        grammar = job.request.grammar
+        constraint = None if grammar is None else RowConstraint(grammar, self._tokenizer, self._vocab_size)
+        return RowState(
+            job,
+            index,
+            job.request.prompt_ids,
+            params,
+            job.request.adapter,
+            max_new,
+            generator,
+            stop_ids,
+            constraint=constraint,
+            on_token=job.on_token,
+        )
+
+    # -- adapters ----------------------------------------------------------------------------
+
+    def adapters(self) -> list[str]:
+        """Names of the loaded peft adapters (including a trainer's own), [] for a plain model."""
+        return list(self._model.peft_config) if peft_model_of(self._model) else []
+
+    def add_adapter(self, name: str, path: Path | str) -> None:
+        """Load the peft adapter saved in folder `path` under `name` (never races a batch)."""
+        self._control(lambda: self._load_adapter(name, Path(path)))
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload adapter `name` (one `add_adapter` loaded); queued requests for it then fail."""
+        self._control(lambda: self._delete_adapter(name))
+
+    def _load_adapter(self, name: str, path: Path) -> None:
+        if name == BASE_ADAPTER or not name:
+            raise ValueError(f"{name!r} cannot name an adapter (it is reserved for the base model)")
+        if not (path / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a saved peft adapter (no adapter_config.json there)")
+        if name in self.adapters():
+            raise ValueError(f"adapter {name!r} is already loaded; remove_adapter it first or use a new name")
+        with _modes_kept(self._model):
+            if peft_model_of(self._model):
+                self._model.load_adapter(str(path), adapter_name=name, is_trainable=False)
+            else:
+                from peft import PeftModel
+
+                self._model = PeftModel.from_pretrained(
+                    self._model, str(path), adapter_name=name, is_trainable=False
+                )
+        self._added.add(name)
+        logger.info("loaded adapter %s from %s", name, path)
+
+    def _delete_adapter(self, name: str) -> None:
+        if name not in self.adapters():
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded; loaded: {self.adapters()}")
+        if name not in self._added:
+            raise ValueError(
+                f"adapter {name!r} was not added by this engine (it is the trainer's); not removing it"
+            )
+        if len(self.adapters()) == 1:
+            raise ValueError(f"adapter {name!r} is the model's only adapter; peft cannot run without one")
+        with _modes_kept(self._model):
+            self._model.delete_adapter(name)
+        self._added.discard(name)
+        logger.info("removed adapter %s", name)
+
+    def _control(self, op: Callable[[], T]) -> T:
+        """Run `op` between batches on the worker, or at once in this thread while paused."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._cond:
+            while self._paused and self._busy:
+                self._cond.wait()
+            if self._closed:
+                raise EngineClosedError("the engine is closed") from self._death
+            direct = self._paused
+            if not direct:
+                self._ops.append((op, future))
+                self._cond.notify_all()
+        return op() if direct else future.result()
+
+    # -- pause / resume / close ------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Wait for the running batch to finish and start no other until `resume()` (idempotent)."""
+        with self._cond:
+            self._paused = True
+            while self._busy:
+                self._cond.wait()
+
+    def resume(self) -> None:
+        """Let the worker run batches again, first re-merging the serving copy (no-op if not paused).
+
+        The re-merge runs on the worker (about 0.15 s for SmolLM2), so this returns at once; no
+        batch starts before it is done.
+        """
+        with self._cond:
+            if self._paused:
+                self._resync = self._serving is not None
+            self._paused = False
+            self._cond.notify_all()
+
+    def weights_updated(self) -> None:
+        """Re-merge the serving copy from the model's current weights before the next batch.
+
+        Not needed after `pause()`/`resume()` (which re-merge) nor after in-place writes through
+        torch (detected by version counters); for writes that bypass them, made while not paused.
+        """
+        with self._cond:
+            self._resync = self._serving is not None
+            self._cond.notify_all()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """`with engine.paused(): train()`."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
+
+    def close(self) -> None:
+        """Stop the worker after its running batch; queued requests fail with EngineClosedError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=60)
+        self._fail_queued(EngineClosedError("the engine was closed before this request ran"))
+
+    def stats(self) -> EngineStats:
+        """Counters: batches, rows, tokens, largest batch, serving-copy merges, prefix-cache hits."""
+        stats, serving, prefix = self._stats, self._serving, self._prefix
+        if serving is not None:
+            stats = replace(stats, merges=serving.merges)
+        if prefix is not None:
+            counts = prefix.stats()
+            stats = replace(
+                stats, prompt_tokens=counts.looked_up_tokens, cached_prompt_tokens=counts.hit_tokens
+            )
+        return stats
+
+    # -- worker ------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._closed and (
+                        self._paused or not (self._rows or self._ops or self._resync)
+                    ):
+                        self._cond.wait()
+                    self._wait_for_company()
+                    if self._closed:
+                        return
+                    if self._paused:
+                        continue
+                    ops, self._ops = list(self._ops), deque()
+                    rows = self._take_rows()
+                    force, self._resync = self._resync, False
+                    self._busy = True
+                try:
+                    for op, future in ops:
+                        _run_op(op, future)
+                    self._sync_serving(force)
+                    if rows:
+                        self._run_batch(rows)
+                finally:
+                    with self._cond:
+                        self._busy = False
+                        self._cond.notify_all()
+        except BaseException as exc:  # a bug in the loop itself: fail everyone rather than hang
+            logger.exception("engine worker died")
+            self._death = exc
+            with self._cond:
+                self._closed = True
+            self._fail_queued(exc)
+
+    def _wait_for_company(self) -> None:
+        """With the lock held: let the requests of a burst join the first one's batch, until none
+        arrived for `batch_wait_s` or `batch_wait_max_s` has passed."""
+        config = self.config
+        latest = time.monotonic() + config.batch_wait_max_s
+        while self._rows and len(self._rows) < config.max_batch_size:
+            left = min(self._arrived + config.batch_wait_s, latest) - time.monotonic()
+            if left <= 0 or self._closed or self._paused:
+                return
+            self._cond.wait(left)
+
+    def _take_rows(self) -> list[RowState]:
+        rows: list[RowState] = []
+        while self._rows and len(rows) < self.config.max_batch_size:
+            row = self._rows.popleft()
+            if not row.job.done:
+                rows.append(row)
+        return rows
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        with self._cond:
+            rows, self._rows = list(self._rows), deque()
+            ops, self._ops = list(self._ops), deque()
+        for row in rows:
+            row.job.resolve(exc)
+        for _, future in ops:
+            future.set_exception(exc)
+
+    def _sync_serving(self, force: bool) -> None:
+        """Bring the serving copy up to date (changed tensors only, or all if `force`); on the worker."""
+        if self._serving is None:
+            return
+        try:
+            self._serving.sync(self._model, force=force)
+        except Exception as exc:  # e.g. the served adapter was deleted; a half-written copy is never used
+            level = logging.WARNING if isinstance(exc, UnsupportedAdapterError) else logging.ERROR
+            logger.log(level, "dropped the merged serving copy (its rows now run through peft): %s", exc)
+            self._serving = None
+
+    def _runnable(self, rows: list[RowState]) -> list[RowState]:
+        """`rows` without cancelled ones; rows of adapters removed meanwhile fail with UnknownAdapterError."""
+        loaded = set(self.adapters())
+        for row in rows:
+            if row.adapter is not None and row.adapter not in loaded:
+                row.job.resolve(
+                    UnknownAdapterError(f"adapter {row.adapter!r} was removed before the request ran")
+                )
+        return [r for r in rows if not r.job.done]
+
+    def _run_batch(self, rows: list[RowState]) -> None:
+        """Decode `rows` in one or two lanes (serving copy, peft model); more rows join while they run."""
+        rows = self._runnable(rows)
+        if not rows:
+            return
+        logger.debug("engine batch: %d rows from %d requests", len(rows), len({id(r.job) for r in rows}))
+        self._stats = replace(self._stats, batches=self._stats.batches + 1)
+        serving = self._serving
+        fast = [r for r in rows if serving is not None and r.adapter == serving.adapter]
+        slow = [r for r in rows if serving is None or r.adapter != serving.adapter]
+        with torch.inference_mode():
+            if fast and serving is not None:  # no joiners while the other lane waits its turn
+                self._run_lane(fast, serving.model, peft=False, on_serving_copy=True, join=not slow)
+            if slow:
+                with _modes_kept(self._model, eval_inside=True):
+                    self._run_lane(slow, self._model, peft_model_of(self._model), on_serving_copy=False)
+
+    def _run_lane(
+        self, rows: list[RowState], model: Any, peft: bool, on_serving_copy: bool, join: bool = True
+    ) -> None:
+        """One DecodeBatch on `model`; queued rows of the same lane join it while it runs (if `join`)."""
+        lane = _Lane(rows)
+
+        def admit(room: int) -> list[RowState]:
+            joiners = self._take_joiners(room, on_serving_copy) if join else []
+            if joiners:
+                lane.joined(joiners)
+                s = self._stats
+                self._stats = replace(
+                    s,
+                    max_batch_rows=max(s.max_batch_rows, lane.live),
+                    joins=s.joins + 1,
+                    joined_rows=s.joined_rows + len(joiners),
+                )
+            return joiners
+
+        def finished(done: list[RowState]) -> None:
+            lane.finished(done)
+            self._finish(done)
+            if lane.rate.seconds() >= 1.0:
+                self._admission.note_rate(*lane.rate.take())
+
+        self._stats = replace(self._stats, max_batch_rows=max(self._stats.max_batch_rows, lane.live))
+        try:
+            DecodeBatch(model, self._tokenizer, rows, peft, self._prefix_cache(on_serving_copy)).run(
+                self.config.prune_fraction,
+                admit=admit,
+                finished=finished,
+                max_rows=self.config.max_batch_size,
+            )
+        except Exception as exc:  # every request of the lane gets the error; the worker carries on
+            logger.exception("engine batch of %d rows failed", len(lane.unfinished))
+            for row in lane.unfinished:
+                row.job.resolve(exc)
+        if lane.rate.seconds() > 0 and lane.rate.finished:
+            self._admission.note_rate(*lane.rate.take())
+
+    def _prefix_cache(self, on_serving_copy: bool) -> PrefixCache | None:
+        """The prefix cache for a lane: only the serving copy's, whose weights change only when it is
+        re-merged (`merges` counts those); the peft model's adapters change under it at any time."""
+        serving = self._serving
+        if not on_serving_copy or serving is None or self._prefix is None:
+            return None
+        return self._prefix.for_weights((id(serving), serving.merges))
+
+    def _take_joiners(self, room: int, on_serving_copy: bool) -> list[RowState]:
+        """Up to `room` queued rows of this lane to join a running batch. None while a pause, an
+        adapter operation or a re-merge waits for the batch to end, nor while rows of the other lane
+        wait (so a steady flow on one lane never starves the other: they share the next batch), nor
+        onto the serving copy once the model's weights changed under it (a train step without a
+        pause): the batch's rows finish on the weights they began with, the queued rows start the
+        next batch, after a re-merge."""
+        if not self._rows:
+            return []
+        serving = self._serving
+        if on_serving_copy and serving is not None and serving.stale(self._model):
+            return []
+        with self._cond:
+            if self._paused or self._closed or self._ops or self._resync:
+                return []
+            live = [row for row in self._rows if not row.job.done]
+            mine = [
+                r for r in live if (serving is not None and r.adapter == serving.adapter) == on_serving_copy
+            ]
+            if len(mine) < len(live):
+                self._rows = deque(live)
+                return []
+            taken = mine[:room]
+            self._rows = deque(mine[room:])
+        return self._runnable(taken)
+
+    def _finish(self, rows: list[RowState]) -> None:
+        """Hand finished rows to their requests (a request resolves when its last row finishes)."""
+        s = self._stats
+        self._stats = replace(
+            s,
+            rows=s.rows + len(rows),
+            tokens=s.tokens + sum(len(r.token_ids) for r in rows),
+            aborted=s.aborted + sum(r.finish_reason == "abort" for r in rows),
+        )
+        for row in rows:
+            job = row.job
+            job.results[row.index] = row.completion(self._tokenizer)
+            job.remaining -= 1
+            if job.remaining == 0:
+                job.resolve([c for c in job.results if c is not None])
+
+
+class _Lane:
+    """Which rows of a running DecodeBatch have not finished yet (to fail them if it breaks)."""
+
+    def __init__(self, rows: list[RowState]) -> None:
+        self._unfinished = {id(r): r for r in rows}
+        self.rate = RateWindow()
+        """Rows finished over decoding time (the rate behind Retry-After, `art_core.engine.admission`)."""
+
+    @property
+    def live(self) -> int:
+        return len(self._unfinished)
+
+    @property
+    def unfinished(self) -> list[RowState]:
+        return list(self._unfinished.values())
+
+    def joined(self, rows: list[RowState]) -> None:
+        self._unfinished.update((id(r), r) for r in rows)
+
+    def finished(self, rows: list[RowState]) -> None:
+        self.rate.count(len(rows))
+        for row in rows:
+            self._unfinished.pop(id(row), None)
+
+
+def _run_op(op: Callable[[], Any], future: concurrent.futures.Future[Any]) -> None:
+    try:
+        future.set_result(op())
+    except Exception as exc:
+        future.set_exception(exc)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The model's end-of-sequence ids: from its generation config and its tokenizer."""
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, list | tuple):
+        ids.update(int(e) for e in eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

@@ -1,0 +1,86 @@
+"""Which vLLM adapter serves `name` and `name@step` while the trainer checkpoints step after step.
+
+TorchEngine trains and serves one peft model, so `name` is simply its live adapter. vLLM holds
+its own copy of the weights in its own process: every step's checkpoint has to be hot-loaded into
+it. `VLLMAdapterRouter` does that bookkeeping for `ModelService` (engine="vllm").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from art_core.engine.errors import UnknownAdapterError
+
+
+class VLLMAdapterRouter:
+    """Hot-loads each step's checkpoint into an engine and maps served names to its adapters.
+
+    - `publish(step, dir)` loads the checkpoint under the plain name `model`, replacing the
+      previous step's adapter of that name. The engine looks an adapter name up when it admits a
+      request, not when the request arrives, so `model` always means the newest published weights:
+      requests that waited while the engine was paused for the train step get the new step, as on
+      TorchEngine's live adapter. (VLLMEngine swaps a same-named adapter atomically; requests that
+      already run keep the old weights, which it unloads once they finish.)
+    - `resolve("model@k")` names exactly step k's weights: adapter `model@k`, loaded from
+      `checkpoint_dir(k)` on first use (None: no such checkpoint) and kept until `forget(k)`.
+      For the newest step that is a second copy, so a request for `model@k` made during the next
+      train step still gets step k.
+
+    The engine must replace a same-named adapter on `add_adapter` (VLLMEngine does; TorchEngine
+    refuses). Thread-safe.
+    """
+
+    def __init__(self, engine: Any, model: str, checkpoint_dir: Callable[[int], Path | None]) -> None:
+        self.engine, self.model, self._checkpoint_dir = engine, model, checkpoint_dir
+        self._steps: dict[int, str] = {}  # step -> adapter `model@step`, loaded on request
+        self._latest: int | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def latest_step(self) -> int | None:
+        """The newest published step (None before the first `publish`)."""
+        return self._latest
+
+    def publish(self, step: int, path: Path) -> str:
+        """Hot-load `path` (a peft folder) as the newest step; returns the adapter name (`model`)."""
+        with self._lock:
+            if self._latest is not None and step <= self._latest:
+                raise ValueError(f"step {step} is not newer than the published step {self._latest}")
+            self.engine.add_adapter(self.model, Path(path))
+            self._latest = step
+            return self.model
+
+    def resolve(self, requested: str) -> str:
+        """The engine adapter for `model` (the newest step) or `model@step`; raises UnknownAdapterError."""
+        base, sep, step_text = requested.partition("@")
+        if base != self.model or (sep and not step_text.isdigit()):
+            raise UnknownAdapterError(f"{requested!r} is not {self.model!r} or {self.model}@<step>")
+        with self._lock:
+            if self._latest is None:
+                raise UnknownAdapterError(f"{self.model!r} has no published step yet")
+            if not sep:
+                return self.model
+            step = int(step_text)
+            name = self._steps.get(step)
+            if name is None:
+                path = self._checkpoint_dir(step)
+                if path is None:
+                    raise UnknownAdapterError(f"{self.model!r} has no checkpoint for step {step}")
+                name = f"{self.model}@{step}"
+                self.engine.add_adapter(name, Path(path))
+                self._steps[step] = name
+            return name
+
+    def forget(self, step: int) -> None:
+        """Unload adapter `model@step` (say, after its checkpoint was deleted); no-op if not loaded."""
+        with self._lock:
+            name = self._steps.pop(step, None)
+            if name is not None:
+                self.engine.remove_adapter(name)
+
+    def loaded_steps(self) -> list[int]:
+        """Steps loaded as `model@step` adapters (the newest step is also served as `model`)."""
+        return sorted(self._steps)

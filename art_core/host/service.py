@@ -1,0 +1,389 @@
+"""The model host behind every backend: base weights, LoRA, engine, trainer and storage.
+
+`ModelService` owns the registered models of one process. The OpenAI-compatible server
+asks it (as its `ModelRouter`) which engine and adapter serve a name; backends ask it to
+register and train. Inference and training share one copy of the base weights: the
+engine pauses while a step trains, then serves the new LoRA at once.
+
+Served names: `name` is the latest weights; `name@step` is a checkpoint (the latest step is
+the live adapter; older steps are loaded from disk on first use).
+
+Engines (`ServingConfig.engine`). `torch` (the default): TorchEngine generates from the very peft
+model being trained. `vllm`: VLLMEngine serves from its own copy of the base weights (its own
+process; the trainer's model moves to the GPU when there is one). After each train step the
+checkpoint is hot-loaded into it before requests resume (`VLLMAdapterRouter`): `name` is the
+newest step, `name@step` exactly that step's checkpoint. The pause around the train step puts
+vLLM to sleep where sleep mode is on (GPU), so training has the GPU memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from art_core.backends.base import ModelSpec, ProgressCallback, TrainResult
+from art_core.engine.config import EngineConfig
+from art_core.engine.errors import UnknownAdapterError
+from art_core.engine.protocol import Engine
+from art_core.engine.torch.engine import TorchEngine
+from art_core.engine.vllm.config import VLLMEngineConfig, require_vllm
+from art_core.engine.vllm.router import VLLMAdapterRouter
+from art_core.models.loading import LoadedModel, load_model
+from art_core.rollouts.records import TrajectoryGroup
+from art_core.server.router import ServedModel, UnknownModelError
+from art_core.storage import ModelStorage, validate_name
+from art_core.training.batch import prepare_batch
+from art_core.training.config import TrainConfig
+from art_core.training.lora import LoRAConfig, attach_lora
+from art_core.training.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+LIVE_ADAPTER = "live"
+"""The peft adapter name of the weights being trained (served as `name`)."""
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Which engine serves a `ModelService`'s models (the trainer always runs in-process)."""
+
+    engine: Literal["torch", "vllm"] = "torch"
+    """`torch`: TorchEngine serves the model being trained, its live LoRA in place (one copy of the
+    weights; the CPU default). `vllm`: VLLMEngine serves from its own copy, each step's checkpoint
+    hot-loaded (`name` is the newest step, `name@step` that step); needs vLLM (the `vllm` extra,
+    or scripts/setup_vllm_cpu.sh on CPU)."""
+    vllm: VLLMEngineConfig | None = None
+    """How VLLMEngine is built (engine="vllm" only); None: `VLLMEngineConfig()`, whose defaults
+    sleep while training and skip CUDA graphs where CUDA is unavailable."""
+    trainer_device: str | None = None
+    """Where the trainer's model lives with engine="vllm": None = "cuda" when available, else "cpu".
+    (With engine="torch" it stays on CPU, where TorchEngine serves it.)"""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("torch", "vllm"):
+            raise ValueError(f"engine must be 'torch' or 'vllm', got {self.engine!r}")
+        if self.engine == "torch" and (self.vllm is not None or self.trainer_device is not None):
+            raise ValueError(
+                "vllm and trainer_device apply to engine='vllm' only: pass ServingConfig(engine='vllm', ...)"
+            )
+
+    def device(self) -> str:
+        """The trainer's device (engine="vllm")."""
+        if self.trainer_device is not None:
+            return self.trainer_device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class HostedModel:
+    """One registered model and everything that serves and trains it."""
+
+    spec: ModelSpec
+    loaded: LoadedModel
+    engine: Engine
+    trainer: Trainer
+    storage: ModelStorage
+    step: int
+    max_context: int
+    """Prompt + completion token limit of what the engine serves."""
+    train_lock: threading.Lock = field(default_factory=threading.Lock)
+    step_adapters: dict[int, str] = field(default_factory=dict)
+    """TorchEngine: older steps loaded as adapters `step<k>`, by step."""
+    adapters: VLLMAdapterRouter | None = None
+    """VLLMEngine: the adapters serving `name` and `name@step` (None with TorchEngine)."""
+
+
+class ModelService:
+    """Registered models of this process; also the server's `ModelRouter`.
+
+    `engine_config` configures TorchEngine; `serving` chooses the engine (raises
+    VLLMNotInstalledError at once for engine="vllm" where vLLM is missing).
+    """
+
+    def __init__(
+        self,
+        base_path: Path | str = ".art",
+        engine_config: EngineConfig | None = None,
+        *,
+        serving: ServingConfig | None = None,
+    ) -> None:
+        self.base_path = Path(base_path)
+        self.serving = serving or ServingConfig()
+        if self.serving.engine == "vllm":
+            if engine_config is not None and engine_config != EngineConfig():
+                raise ValueError(
+                    "engine_config configures TorchEngine, but serving.engine is 'vllm': "
+                    "set vLLM's options in ServingConfig(vllm=VLLMEngineConfig(...))"
+                )
+            require_vllm()
+        self.engine_config = engine_config or EngineConfig()
+        self._models: dict[str, HostedModel] = {}
+        self._lock = threading.Lock()
+
+    # ---- registration -------------------------------------------------------------------
+    def register(self, spec: ModelSpec) -> HostedModel:
+        """Load (or reuse) the model named `spec.name`, resuming from its latest checkpoint."""
+        validate_name(spec.project, "project")
+        validate_name(spec.name, "model name")
+        with self._lock:
+            hosted = self._models.get(spec.name)
+            if hosted is not None:
+                if hosted.spec != spec:
+                    raise ValueError(
+                        f"model {spec.name!r} is already registered with a different spec "
+                        f"({hosted.spec.model_dump()}); use another name or the same settings"
+                    )
+                return hosted
+            hosted = self._load(spec)
+            self._models[spec.name] = hosted
+            return hosted
+
+    def _load(self, spec: ModelSpec) -> HostedModel:
+        started = time.perf_counter()
+        vllm_config = self._vllm_config(spec)
+        loaded = load_model(spec.base_model, trust_remote_code=spec.trust_remote_code)
+        if vllm_config is not None:
+            loaded.model.to(self.serving.device())  # type: ignore[arg-type]  # transformers types `to` oddly
+        lora = LoRAConfig(r=spec.lora_rank, alpha=spec.lora_alpha)
+        peft_model = attach_lora(loaded.model, lora, adapter_name=LIVE_ADAPTER)
+        storage = ModelStorage.create(self.base_path, spec.project, spec.name)
+        storage.write_json("model.json", spec.model_dump())
+        trainer = Trainer(peft_model, pad_id=_pad_id(loaded), adapter_name=LIVE_ADAPTER, config=TrainConfig())
+        step = storage.latest_step()
+        if storage.steps():
+            trainer.load_state(storage.checkpoint_dir(step))
+            logger.info("resumed %s from step %d", spec.name, step)
+        else:
+            storage.write_checkpoint(0, trainer.save_state)
+        if vllm_config is None:
+            engine = TorchEngine(peft_model, loaded.tokenizer, self.engine_config)
+            hosted = HostedModel(spec, loaded, engine, trainer, storage, step, loaded.max_context)
+        else:
+            hosted = self._hosted_on_vllm(spec, loaded, trainer, storage, step, vllm_config)
+        logger.info("registered %s (%s) in %.1fs", spec.name, spec.base_model, time.perf_counter() - started)
+        return hosted
+
+    def _vllm_config(self, spec: ModelSpec) -> VLLMEngineConfig | None:
+        """The vLLM engine's config for `spec` (None: TorchEngine serves); checked before anything loads."""
+        if self.serving.engine != "vllm":
+            return None
+        config = self.serving.vllm or VLLMEngineConfig()
+        if not config.enable_lora:
+            raise ValueError(
+                "the service serves trained LoRA adapters: VLLMEngineConfig needs enable_lora=True"
+            )
+        if spec.lora_rank > config.max_lora_rank:
+            raise ValueError(
+                f"LoRA rank {spec.lora_rank} is above the vLLM engine's max_lora_rank {config.max_lora_rank}: "
+                "raise VLLMEngineConfig.max_lora_rank (art serve: --vllm-option max_lora_rank=N) or lower the rank"
+            )
+        return config
+
+    def _hosted_on_vllm(
+        self,
+        spec: ModelSpec,
+        loaded: LoadedModel,
+        trainer: Trainer,
+        storage: ModelStorage,
+        step: int,
+        config: VLLMEngineConfig,
+    ) -> HostedModel:
+        """Start a VLLMEngine on the base weights and hot-load checkpoint `step` as `spec.name`."""
+        from art_core.engine.vllm.engine import VLLMEngine
+
+        engine = VLLMEngine(loaded.path, tokenizer=loaded.tokenizer, config=config)
+        try:
+            adapters = VLLMAdapterRouter(
+                engine, spec.name, lambda s: storage.checkpoint_dir(s) if s in storage.steps() else None
+            )
+            adapters.publish(step, storage.checkpoint_dir(step))
+        except BaseException:
+            engine.close()
+            raise
+        max_context = min(loaded.max_context, engine.max_context)
+        return HostedModel(spec, loaded, engine, trainer, storage, step, max_context, adapters=adapters)
+
+    def get(self, name: str) -> HostedModel:
+        hosted = self._models.get(name)
+        if hosted is None:
+            raise self._unknown(name)
+        return hosted
+
+    def _unknown(self, name: str) -> UnknownModelError:
+        return UnknownModelError(
+            f"the model {name!r} does not exist; served models: {self.model_names()} "
+            "(`name` is the latest weights, `name@step` a checkpoint)"
+        )
+
+    # ---- ModelRouter --------------------------------------------------------------------
+    def resolve(self, name: str) -> ServedModel:
+        base, _, step_text = name.partition("@")
+        hosted = self._models.get(base)
+        if hosted is None:
+            raise self._unknown(name)
+        adapter = LIVE_ADAPTER
+        if hosted.adapters is not None:
+            try:
+                adapter = hosted.adapters.resolve(name)
+            except UnknownAdapterError as exc:
+                raise self._unknown(name) from exc
+        elif step_text:
+            adapter = self._adapter_for_step(hosted, name, step_text)
+        return ServedModel(
+            engine=hosted.engine,
+            tokenizer=hosted.loaded.tokenizer,
+            adapter=adapter,
+            max_context=hosted.max_context,
+        )
+
+    def _adapter_for_step(self, hosted: HostedModel, name: str, step_text: str) -> str:
+        if not (step_text.isascii() and step_text.isdigit()):  # int() rejects "²", which isdigit() accepts
+            raise self._unknown(name)
+        step = int(step_text)
+        if step == hosted.step:
+            return LIVE_ADAPTER
+        if step not in hosted.storage.steps():
+            raise self._unknown(name)
+        adapter = hosted.step_adapters.get(step)
+        if adapter is None:
+            adapter = f"step{step}"
+            hosted.engine.add_adapter(adapter, hosted.storage.checkpoint_dir(step))
+            hosted.step_adapters[step] = adapter
+        return adapter
+
+    def model_names(self) -> list[str]:
+        names: list[str] = []
+        for hosted in self._models.values():
+            names.append(hosted.spec.name)
+            names.extend(f"{hosted.spec.name}@{s}" for s in hosted.storage.steps())
+        return names
+
+    # ---- training -----------------------------------------------------------------------
+    async def train(
+        self,
+        name: str,
+        groups: Sequence[TrajectoryGroup],
+        config: TrainConfig,
+        on_progress: ProgressCallback | None = None,
+    ) -> TrainResult:
+        """Train one step on `groups` in a worker thread; inference waits meanwhile."""
+        hosted = self.get(name)
+        return await asyncio.to_thread(self._train_sync, hosted, list(groups), config, on_progress)
+
+    def _train_sync(
+        self,
+        hosted: HostedModel,
+        groups: list[TrajectoryGroup],
+        config: TrainConfig,
+        on_progress: ProgressCallback | None,
+    ) -> TrainResult:
+        notify = on_progress or (lambda phase, metrics: None)
+        with hosted.train_lock:
+            started, step = time.perf_counter(), hosted.step + 1
+            prepared = prepare_batch(
+                groups,
+                scale_rewards=config.scale_rewards,
+                max_context=hosted.loaded.max_context,
+                vocab_size=_vocab_size(hosted.loaded.model),
+            )
+            notify("prepare", prepared.metrics)
+            hosted.engine.pause()
+            try:
+                metrics = hosted.trainer.train_step(prepared, config)
+                if hosted.adapters is not None:  # vLLM: load the new step before waiting requests resume
+                    self._checkpoint(hosted)
+                    hosted.adapters.publish(hosted.step, hosted.storage.checkpoint_dir(hosted.step))
+            finally:
+                hosted.engine.resume()
+            trained = bool(metrics.get("trained", 0))
+            notify("train", metrics)
+            warnings = list(prepared.warnings)
+            if metrics.get("optim_step_skipped"):
+                warnings.append("the optimizer step was skipped: the gradient norm was not finite")
+            if not trained:
+                warnings.insert(0, f"nothing trained: {untrained_reason(prepared.metrics, metrics)}")
+                logger.info("step %d %s", step, warnings[0])
+            if hosted.adapters is None:
+                self._checkpoint(hosted)
+            notify("checkpoint", {"step": float(hosted.step)})
+            record = {
+                "step": hosted.step,
+                **{f"train/{k}": v for k, v in prepared.metrics.items()},
+                **{f"loss/{k}": v for k, v in metrics.items()},
+                "time/step_s": time.perf_counter() - started,
+                "trained": int(trained),
+            }
+            hosted.storage.append_history(record)
+            hosted.storage.write_trajectories("train", hosted.step, groups)
+            notify("done", {k: float(v) for k, v in record.items()})
+            return TrainResult(
+                step=hosted.step,
+                trained=trained,
+                metrics={k: float(v) for k, v in record.items()},
+                warnings=warnings,
+            )
+
+    @staticmethod
+    def _checkpoint(hosted: HostedModel) -> None:
+        # The step advances on every call, trained or not, so that `get_step()` is also the
+        # data position a resumed run continues from.
+        hosted.step += 1
+        hosted.storage.write_checkpoint(hosted.step, hosted.trainer.save_state)
+
+    def delete_checkpoints(self, name: str, keep: Iterable[int]) -> list[int]:
+        hosted = self.get(name)
+        keep_set = set(keep) | {hosted.step}
+        if hosted.adapters is not None:
+            for step in hosted.adapters.loaded_steps():
+                if step not in keep_set:
+                    hosted.adapters.forget(step)
+        for step in [s for s in hosted.step_adapters if s not in keep_set]:
+            hosted.engine.remove_adapter(hosted.step_adapters.pop(step))
+        return hosted.storage.delete_checkpoints(keep_set)
+
+    def close(self) -> None:
+        for hosted in self._models.values():
+            hosted.engine.close()
+        self._models.clear()
+
+
+def untrained_reason(batch_metrics: dict[str, float], train_metrics: dict[str, float]) -> str:
+    """One line on why a step trained nothing, from the batch's counters."""
+    if train_metrics.get("optim_step_skipped"):
+        return "the gradient norm was not finite, so the optimizer step was skipped"
+    total = int(batch_metrics.get("groups_total", 0))
+    parts = [
+        f"{int(n)} of {total} groups {what}"
+        for key, what in (
+            ("groups_zero_variance", "had equal rewards (no signal to compare)"),
+            ("groups_empty", "had no trajectories"),
+        )
+        if (n := batch_metrics.get(key, 0))
+    ]
+    for key, what in (
+        ("trajectories_skipped_no_tokens", "trajectories had no token records"),
+        ("sequences_too_long", "sequences were longer than the context"),
+    ):
+        if n := batch_metrics.get(key, 0):
+            parts.append(f"{int(n)} {what}")
+    return "; ".join(parts) or "no example had a non-zero advantage"
+
+
+def _vocab_size(model: Any) -> int:
+    """Rows of the input embedding: every token id the model takes is below it."""
+    return int(model.get_input_embeddings().num_embeddings)
+
+
+def _pad_id(loaded: LoadedModel) -> int:
+    pad = loaded.tokenizer.pad_token_id
+    if pad is None:
+        pad = loaded.tokenizer.eos_token_id
+    return int(pad)

@@ -1,0 +1,289 @@
+"""From trajectory groups to a training batch: advantages, exact-token sequences, skips, micro-batches.
+
+`prepare_batch` is strict about what the user must fix and explicit about what it skips:
+- a missing or non-finite reward raises ValueError naming the group and trajectory (never dropped);
+- an empty group, a zero-variance group (all rewards equal), a trajectory without trainable tokens
+  and a sequence longer than the context are skipped, counted in `metrics` and explained in `warnings`;
+- when no trajectory of the whole batch has trainable tokens, `NoTrainableTokensError` is raised,
+  because that is a setup problem (client not pointed at our server), not bad luck.
+Examples whose advantage is exactly 0 carry no gradient; they are counted and left out.
+
+A trajectory without tokens still counts in its group's baseline: its reward is a real outcome of
+the policy (e.g. the agent failed before calling the model), so the others are compared against it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from art_core.rollouts.records import TrajectoryGroup
+from art_core.training.advantages import group_advantages, mean_std
+from art_core.training.logprobs import IGNORE_INDEX
+from art_core.training.sequences import NoTrainableTokensError, TokenSequence, trajectory_sequences
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainingExample:
+    """One sequence to train on with the advantage of the trajectory it came from."""
+
+    sequence: TokenSequence
+    """The exact tokens, mask and engine log-probs."""
+    advantage: float
+    """The trajectory's group-relative advantage (shared by all its sequences)."""
+    group_index: int
+    """Index of the group in the list given to `prepare_batch`."""
+    trajectory_index: int
+    """Index of the trajectory within its group."""
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """Normalisers of a whole optimizer batch, so that micro-batch losses sum to the batch loss."""
+
+    num_sequences: float
+    """Number of sequences (examples) in the batch."""
+    num_tokens: float
+    """Number of trained (masked, predictable) tokens in the batch."""
+    max_completion_tokens: float
+    """The largest number of trained tokens in one sequence (Dr. GRPO's constant length)."""
+
+    @classmethod
+    def of(cls, examples: Sequence[TrainingExample]) -> BatchTotals:
+        if not examples:
+            raise ValueError("BatchTotals needs at least one example; skip training for an empty batch")
+        counts = [example.sequence.num_trainable for example in examples]
+        return cls(float(len(examples)), float(sum(counts)), float(max(counts)))
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """The examples to train on, with counts of everything that was skipped and why."""
+
+    examples: list[TrainingExample]
+    """Sequences with a non-zero advantage and at least one trainable token."""
+    metrics: dict[str, float]
+    """Reward statistics and counts: groups_*, trajectories_*, sequences_*, examples*, tokens_trained."""
+    warnings: list[str] = field(default_factory=list)
+    """One human-readable line per skipped group, trajectory or sequence."""
+
+    @property
+    def totals(self) -> BatchTotals:
+        """Whole-batch normalisers; raises ValueError when there are no examples."""
+        return BatchTotals.of(self.examples)
+
+
+@dataclass
+class _Tally:
+    """Mutable counters filled while preparing a batch."""
+
+    counts: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def skip(self, counter: str, message: str, level: int = logging.WARNING) -> None:
+        self.counts[counter] = self.counts.get(counter, 0.0) + 1.0
+        self.warnings.append(message)
+        logger.log(level, message)
+
+
+_COUNTERS = (
+    "groups_total",
+    "groups_empty",
+    "groups_zero_variance",
+    "groups_trainable",
+    "trajectories_total",
+    "trajectories_skipped_no_tokens",
+    "rollout_exceptions",
+    "sequences_total",
+    "sequences_too_long",
+    "examples_zero_advantage",
+    "examples",
+    "tokens_trained",
+)
+
+
+def _checked_rewards(groups: Sequence[TrajectoryGroup]) -> list[list[float]]:
+    """Every reward, or a ValueError that says which trajectory to fix."""
+    rewards: list[list[float]] = []
+    for gi, group in enumerate(groups):
+        row = []
+        for ti, trajectory in enumerate(group.trajectories):
+            try:
+                row.append(trajectory.checked_reward())
+            except ValueError as error:
+                raise ValueError(f"group {gi}, trajectory {ti}: {error}") from None
+        rewards.append(row)
+    return rewards
+
+
+def _check_token_ids(table: list[list[list[TokenSequence] | None]], vocab_size: int) -> None:
+    """ValueError naming the first trajectory with a token id outside [0, vocab_size)."""
+    for gi, row in enumerate(table):
+        for ti, sequences in enumerate(row):
+            for sequence in sequences or []:
+                ids = sequence.token_ids
+                if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+                    bad = next(t for t in ids if not 0 <= t < vocab_size)
+                    raise ValueError(
+                        f"group {gi}, trajectory {ti}: token id {bad} is outside the model's vocabulary "
+                        f"[0, {vocab_size}); train on the token ids this model's server returned"
+                    )
+
+
+def _sequences_or_none(
+    groups: Sequence[TrajectoryGroup],
+) -> tuple[list[list[list[TokenSequence] | None]], list[tuple[int, int, str]]]:
+    """Sequences of every trajectory (None when it has no trainable tokens) and the reasons why."""
+    table: list[list[list[TokenSequence] | None]] = []
+    missing: list[tuple[int, int, str]] = []
+    for gi, group in enumerate(groups):
+        row: list[list[TokenSequence] | None] = []
+        for ti, trajectory in enumerate(group.trajectories):
+            try:
+                row.append(trajectory_sequences(trajectory))
+            except NoTrainableTokensError as error:
+                row.append(None)
+                missing.append((gi, ti, str(error)))
+        table.append(row)
+    return table, missing
+
+
+def _reward_stats(rewards: list[list[float]]) -> dict[str, float]:
+    flat = [r for row in rewards for r in row]
+    if not flat:
+        return {}
+    mean, std = mean_std(flat)
+    return {"reward": mean, "reward_std": std}
+
+
+def prepare_batch(
+    groups: Sequence[TrajectoryGroup], *, scale_rewards: bool, max_context: int, vocab_size: int | None = None
+) -> PreparedBatch:
+    """Compute advantages and exact-token examples for `groups`; see the module docstring for the rules.
+
+    With `vocab_size`, a token id outside [0, vocab_size) is a ValueError (not an index error mid-step).
+    """
+    if max_context < 2:
+        raise ValueError(f"max_context must be >= 2 tokens, got {max_context}")
+    rewards = _checked_rewards(groups)
+    table, missing = _sequences_or_none(groups)
+    if vocab_size is not None:
+        _check_token_ids(table, vocab_size)
+    n_trajectories = sum(len(row) for row in rewards)
+    if n_trajectories > 0 and len(missing) == n_trajectories:
+        raise NoTrainableTokensError(
+            f"none of the {n_trajectories} trajectories in this batch: {missing[0][2]}"
+        )
+    tally = _Tally(counts=dict.fromkeys(_COUNTERS, 0.0))
+    tally.counts.update(groups_total=float(len(groups)), trajectories_total=float(n_trajectories))
+    tally.counts["rollout_exceptions"] = float(sum(len(group.exceptions) for group in groups))
+    for gi, ti, reason in missing:
+        tally.skip("trajectories_skipped_no_tokens", f"group {gi}, trajectory {ti} skipped: {reason}")
+    examples: list[TrainingExample] = []
+    for gi, row in enumerate(rewards):
+        examples.extend(_group_examples(gi, row, table[gi], scale_rewards, max_context, tally))
+    if not groups:
+        tally.warnings.append("no groups were given, so there is nothing to train on")
+    tally.counts["examples"] = float(len(examples))
+    tally.counts["tokens_trained"] = float(sum(example.sequence.num_trainable for example in examples))
+    return PreparedBatch(examples, {**_reward_stats(rewards), **tally.counts}, tally.warnings)
+
+
+def _group_examples(
+    gi: int,
+    rewards: list[float],
+    sequences: list[list[TokenSequence] | None],
+    scale_rewards: bool,
+    max_context: int,
+    tally: _Tally,
+) -> list[TrainingExample]:
+    """The examples of one group, recording every skip in `tally`."""
+    if not rewards:
+        tally.skip("groups_empty", f"group {gi} skipped: it has no trajectories (did every rollout fail?)")
+        return []
+    result = group_advantages(rewards, scale=scale_rewards)
+    if result.zero_variance:
+        tally.skip(
+            "groups_zero_variance",
+            f"group {gi} skipped: all {len(rewards)} rewards equal {rewards[0]!r} (zero variance, no signal); "
+            "use more rollouts per group or a reward that separates them",
+            level=logging.INFO,  # routine in GRPO; counted, and the step warns if nothing trains
+        )
+        return []
+    examples = []
+    for ti, (advantage, seqs) in enumerate(zip(result.advantages, sequences, strict=True)):
+        for si, seq in enumerate(seqs or []):
+            tally.counts["sequences_total"] += 1
+            if len(seq) > max_context:
+                tally.skip(
+                    "sequences_too_long",
+                    f"group {gi}, trajectory {ti}, sequence {si} skipped: {len(seq)} tokens exceed the "
+                    f"model's context of {max_context}; shorten rollouts (max_tokens, fewer turns)",
+                )
+            elif advantage == 0.0:
+                tally.counts["examples_zero_advantage"] += 1
+            else:
+                examples.append(TrainingExample(seq, advantage, gi, ti))
+    if examples:
+        tally.counts["groups_trainable"] += 1
+    return examples
+
+
+def micro_batches(
+    examples: Sequence[TrainingExample], micro_batch_tokens: int
+) -> list[list[TrainingExample]]:
+    """Split examples into micro-batches of at most `micro_batch_tokens` padded tokens.
+
+    Examples are sorted longest first (ties keep their order), and each micro-batch holds as many as
+    fit when padded to its first (longest) one. A sequence longer than the budget gets a
+    micro-batch of its own: nothing is dropped or truncated here.
+    """
+    if micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+    ordered = sorted(examples, key=lambda example: -len(example.sequence))
+    batches: list[list[TrainingExample]] = []
+    for example in ordered:
+        if batches and (len(batches[-1]) + 1) * len(batches[-1][0].sequence) <= micro_batch_tokens:
+            batches[-1].append(example)
+        else:
+            batches.append([example])
+    return batches
+
+
+def collate(examples: Sequence[TrainingExample], pad_id: int) -> dict[str, Tensor]:
+    """Right-padded tensors for one micro-batch; position t of the inputs predicts target t.
+
+    Returns input_ids/attention_mask/targets [B, T] (long; inputs padded with `pad_id`, targets with
+    `IGNORE_INDEX`, whose log-prob is 0), mask [B, T] float (1 on trained targets), engine_logprobs [B, T] float32 (NaN where unknown or padding), advantages [B] float32,
+    where T is the longest sequence length minus one.
+    """
+    if not examples:
+        raise ValueError("collate needs at least one example")
+    width = max(len(example.sequence) for example in examples) - 1
+    if width < 1:
+        raise ValueError("every sequence is a single token; nothing can be predicted")
+    shape = (len(examples), width)
+    batch = {
+        "input_ids": torch.full(shape, pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros(shape, dtype=torch.long),
+        "targets": torch.full(shape, IGNORE_INDEX, dtype=torch.long),
+        "mask": torch.zeros(shape, dtype=torch.float32),
+        "engine_logprobs": torch.full(shape, math.nan, dtype=torch.float32),
+        "advantages": torch.tensor([example.advantage for example in examples], dtype=torch.float32),
+    }
+    for row, example in enumerate(examples):
+        seq = example.sequence
+        n = len(seq) - 1
+        batch["input_ids"][row, :n] = torch.tensor(seq.token_ids[:-1], dtype=torch.long)
+        batch["attention_mask"][row, :n] = 1
+        batch["targets"][row, :n] = torch.tensor(seq.token_ids[1:], dtype=torch.long)
+        batch["mask"][row, :n] = torch.tensor(seq.mask[1:], dtype=torch.float32)
+        batch["engine_logprobs"][row, :n] = torch.tensor(seq.logprobs[1:], dtype=torch.float32)
+    return batch

@@ -1,0 +1,238 @@
+"""The trainer's decoder forward for Llama-family models: a shared prefix and every row's own tokens
+in one pass per layer.
+
+A GRPO micro-batch is one prompt and its sampled completions. `training_forward.hidden_states_at`
+runs the common prompt once and the rows on top of it, through transformers, as two decoder
+calls. On a CPU that makes every weight be read twice per pass (once for a few dozen prefix tokens,
+where reading the weight dominates the matmul) and every per-layer op run twice. `packed_hidden_states`
+packs the prefix tokens and all rows' own tokens into one [N, hidden] matrix instead, so each
+projection, norm and MLP runs once over all of them; only attention looks at the layout:
+
+- the prefix attends causally to itself (one sequence);
+- each row attends to the prefix's keys (expanded along the batch, not copied per row before the
+  concatenation) and causally to its own real tokens.
+
+Attention is grouped-query attention without repeating keys and values (each kv head's `group`
+query heads are stacked along the query axis of one batched matmul) and a plain softmax over
+masked scores: no fully masked query row can occur (each row has at least one real token of its
+own, see `shared_prefix_length`), so the "safe softmax" bookkeeping of SDPA's math backend is not
+needed.
+
+It runs the model's own modules (embedding, norms, projections with their LoRA layers, MLPs,
+rotary embedding), so every weight and formula is the model's, and autograd sums the gradients
+that reach the prefix from every row. Values and gradients equal transformers' forward to float
+rounding (tests/training/test_packed_forward.py). Supported: `LlamaModel` and `Qwen2Model` bodies with full
+attention in every layer and no attention dropout (`supports_packed_forward`); anything else runs
+transformers' forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.lora import Linear as LoraLinear
+from torch import Tensor, nn
+
+from art_core.engine.torch.decode_step import rotate
+
+SUPPORTED_DECODERS = frozenset({"LlamaModel", "Qwen2Model"})
+
+
+def supports_packed_forward(decoder: nn.Module) -> bool:
+    """Whether `packed_hidden_states` can run `decoder` (a Llama/Qwen2 body, full attention, no
+    attention dropout)."""
+    if type(decoder).__name__ not in SUPPORTED_DECODERS:
+        return False
+    config: Any = getattr(decoder, "config", None)
+    if config is None or float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        return False
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    if any(kind != "full_attention" for kind in layer_types):
+        return False
+    return all(hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "layers", "norm"))
+
+
+def packed_hidden_states(
+    decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, prefix: int
+) -> Tensor:
+    """[N, H] final hidden states at the true entries of `positions` [B, T] (row-major order).
+
+    The first `prefix` tokens must be the same real tokens in every row (0: nothing shared); the
+    mask is 1 on real tokens, which come before padding in each row (right padding).
+    """
+    body: Any = decoder
+    batch, length = input_ids.shape
+    own = length - prefix
+    device = input_ids.device
+    ids = torch.cat([input_ids[0, :prefix], input_ids[:, prefix:].reshape(-1)])
+    steps = torch.arange(length, device=device)
+    position_ids = torch.cat([steps[:prefix], steps[prefix:].repeat(batch)])
+    hidden = body.embed_tokens(ids)  # [N, H]: prefix tokens, then each row's own tokens
+    cos, sin = body.rotary_emb(hidden[None], position_ids[None])
+    layout = _Layout(
+        batch=batch,
+        prefix=prefix,
+        rotary=(cos[0, :, None, :], sin[0, :, None, :]),  # [N, 1, head_dim]
+        biases=_biases(attention_mask[:, prefix:].bool(), prefix, body.layers[0].self_attn, hidden.dtype),
+    )
+    for layer in body.layers:
+        hidden = hidden + _attention(layer.self_attn, layer.input_layernorm(hidden), layout)
+        hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+    hidden = body.norm(hidden)
+    rows, cols = positions.nonzero(as_tuple=True)
+    index = torch.where(cols < prefix, cols, prefix + rows * own + cols - prefix)
+    return hidden[index]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What every layer's attention needs to know about the packed tokens."""
+
+    batch: int
+    """Rows (B)."""
+    prefix: int
+    """Shared prefix tokens (P), packed first; then each row's R own tokens."""
+    rotary: tuple[Tensor, Tensor]
+    """cos and sin [N, 1, head_dim] at each packed token's position."""
+    biases: tuple[Tensor | None, Tensor]
+    """Additive attention biases (0 or the dtype's minimum) of the prefix [kv_heads, group * P, P]
+    (None without a prefix) and of the rows [B * kv_heads, group * R, P + R]."""
+
+
+def _biases(own_real: Tensor, prefix: int, attn: Any, dtype: torch.dtype) -> tuple[Tensor | None, Tensor]:
+    """The prefix attends causally to itself; each row to the whole prefix, then causally to its own
+    real tokens. Laid out for `grouped_attention`'s stacked queries, built once for all layers."""
+    rows, own = own_real.shape
+    device = own_real.device
+    kv_heads, group = _heads(attn)
+    blocked = torch.finfo(dtype).min
+
+    def bias(allowed: Tensor) -> Tensor:  # [b, Tq, Tk] -> [b * kv_heads, group * Tq, Tk]
+        b, queries, keys = allowed.shape
+        values = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, blocked)
+        stacked = values[:, None, None].expand(b, kv_heads, group, queries, keys)
+        return stacked.reshape(b * kv_heads, group * queries, keys)
+
+    causal = torch.ones(own, own, dtype=torch.bool, device=device).tril()
+    shared = torch.ones(rows, own, prefix, dtype=torch.bool, device=device)
+    row_bias = bias(torch.cat([shared, causal[None] & own_real[:, None, :]], dim=-1))
+    if not prefix:
+        return None, row_bias
+    return bias(torch.ones(prefix, prefix, dtype=torch.bool, device=device).tril()[None]), row_bias
+
+
+def _heads(attn: Any) -> tuple[int, int]:
+    """(kv_heads, query heads per kv head) of an attention module."""
+    config = attn.config
+    kv_heads = config.num_key_value_heads
+    return kv_heads, config.num_attention_heads // kv_heads
+
+
+def _attention(attn: Any, x: Tensor, layout: _Layout) -> Tensor:
+    """The attention block's output [N, hidden] for packed inputs [N, hidden]."""
+    tokens, head_dim = x.shape[0], attn.head_dim
+    batch, prefix = layout.batch, layout.prefix
+    query, key, value = (
+        out.view(tokens, -1, head_dim) for out in project(x, [attn.q_proj, attn.k_proj, attn.v_proj])
+    )
+    query, key = rotate(query, *layout.rotary), rotate(key, *layout.rotary)
+    own = (tokens - prefix) // batch
+    prefix_bias, row_bias = layout.biases
+
+    def rows(t: Tensor) -> Tensor:  # the rows' own tokens, [B, heads, R, head_dim]
+        return t[prefix:].view(batch, own, -1, head_dim).transpose(1, 2)
+
+    row_keys, row_values = rows(key), rows(value)
+    outputs = []
+    if prefix_bias is not None:
+        prefix_keys = key[:prefix].transpose(0, 1)[None]  # [1, kv_heads, P, head_dim]
+        prefix_values = value[:prefix].transpose(0, 1)[None]
+        out = grouped_attention(
+            query[:prefix].transpose(0, 1)[None], prefix_keys, prefix_values, prefix_bias, attn.scaling
+        )
+        outputs.append(out[0].transpose(0, 1).reshape(prefix, -1))
+        row_keys = torch.cat([prefix_keys.expand(batch, -1, -1, -1), row_keys], dim=2)
+        row_values = torch.cat([prefix_values.expand(batch, -1, -1, -1), row_values], dim=2)
+    out = grouped_attention(rows(query), row_keys, row_values, row_bias, attn.scaling)
+    outputs.append(out.transpose(1, 2).reshape(batch * own, -1))
+    return attn.o_proj(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
+
+
+def _mlp(mlp: Any, x: Tensor) -> Tensor:
+    """A gated MLP (Llama's `down(act(gate(x)) * up(x))`) on [N, hidden]."""
+    gate, up = project(x, [mlp.gate_proj, mlp.up_proj])
+    return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+def grouped_attention(query: Tensor, key: Tensor, value: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """Softmax attention [B, heads, Tq, D] for queries [B, heads, Tq, D] and keys/values
+    [B, kv_heads, Tk, D], with query head h reading kv head h // (heads / kv_heads) as in
+    transformers' `repeat_kv`, without repeating them: each kv head's query heads are stacked along
+    the query axis. `bias` [B * kv_heads, group * Tq, Tk] is added to the scaled scores (the
+    dtype's minimum where a query must not attend), inside the matmul; every query must attend to
+    at least one key. Softmax runs in float32."""
+    batch, heads, queries, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    stacked = query.reshape(batch * kv_heads, heads // kv_heads * queries, dim)
+    scores = torch.baddbmm(
+        bias, stacked, key.reshape(batch * kv_heads, keys, dim).transpose(1, 2), alpha=scale
+    )
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype)
+    out = torch.bmm(probs, value.reshape(batch * kv_heads, keys, dim))
+    return out.view(batch, heads, queries, dim)
+
+
+def active_plain_adapter(layer: nn.Module) -> str | None:
+    """The adapter through which a peft LoRA `Linear` computes right now, if that is one plain LoRA
+    update (no variant such as DoRA, no dropout, no LoRA bias, not merged, not disabled, forward not
+    replaced by anyone else); None otherwise."""
+    lora: Any = layer
+    if type(layer) is not LoraLinear or lora.disable_adapters or lora.merged:
+        return None
+    active = lora.active_adapters
+    if len(active) != 1 or not is_plain_lora(layer, active[0], replaced_by_us=True):
+        return None
+    return str(active[0])
+
+
+FUSED_FORWARD = "art_fused_lora"
+"""Attribute set on the forwards that `training_forward.fused_lora` installs (the same function)."""
+
+
+def is_plain_lora(layer: nn.Module, adapter_name: str, *, replaced_by_us: bool = False) -> bool:
+    """A plain LoRA Linear for `adapter_name` (no variant such as DoRA, no dropout, no LoRA bias)
+    whose forward nobody else has replaced (`replaced_by_us`: or only `fused_lora`)."""
+    lora: Any = layer
+    if type(layer) is not LoraLinear or adapter_name not in lora.lora_A:
+        return False
+    replaced = vars(layer).get("forward")
+    if replaced is not None and not (replaced_by_us and getattr(replaced, FUSED_FORWARD, False)):
+        return False
+    dropout = lora.lora_dropout[adapter_name]
+    plain_dropout = isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout) and dropout.p == 0)
+    return adapter_name not in lora.lora_variant and plain_dropout and lora.lora_B[adapter_name].bias is None
+
+
+def project(x: Tensor, linears: list[nn.Module]) -> list[Tensor]:
+    """Each linear layer applied to [N, in] inputs `x`. When all are plain LoRA layers of the same
+    active adapter, their down-projections run as one matmul (`x` is read once, and backward
+    computes one weight gradient and one input gradient for all of them), and each output is
+    `base(x) + scaling * down B^T`, added in place by one `addmm_`."""
+    names = {active_plain_adapter(linear) for linear in linears}
+    name = names.pop() if len(names) == 1 else None
+    if name is None:
+        return [linear(x) for linear in linears]
+    loras: list[Any] = linears
+    down = F.linear(x, torch.cat([lora.lora_A[name].weight for lora in loras]).to(x.dtype))
+    outputs, start = [], 0
+    for lora in loras:
+        rank = lora.lora_A[name].weight.shape[0]
+        up = lora.lora_B[name].weight.to(x.dtype)
+        # In place on the base output (its matmul's backward does not need it): no copy of it.
+        out = lora.base_layer(x).addmm_(down[:, start : start + rank], up.t(), alpha=lora.scaling[name])
+        outputs.append(out)
+        start += rank
+    return outputs

@@ -1,0 +1,141 @@
+"""`decode_step` against transformers' own forward: same logits, same cache, padded rows included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from art_core.engine.torch.decode_step import decode_step, supports_decode_step
+from art_core.engine.torch.kv_cache import growing_cache
+from art_core.models.loading import LoadedModel
+from art_core.training.lora import LoRAConfig, attach_lora
+from tests.helpers_models import tiny_llama
+from tests.tolerances import assert_close_to_model
+
+pytestmark = pytest.mark.isa  # float results depend on the CPU's kernels (see .ci/run)
+
+
+def _padded_batch(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _check_steps(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    prompts = [[5, 9, 33, 7, 81, 12], [44, 2, 19], [100, 3, 3, 60, 8, 21, 17, 9, 4]]
+    ids, mask, positions = _padded_batch(prompts)
+    caches = [growing_cache(model.config, room=8) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        last = positions[:, -1:]
+        token = torch.tensor([[11], [250], [7]])
+        for _ in range(4):
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+            last = last + 1
+            ours = decode_step(model, token, last, mask, caches[0])
+            theirs = (
+                model(
+                    input_ids=token, attention_mask=mask, position_ids=last, cache=caches[1], use_cache=True
+                )
+                .logits[:, -1]
+                .float()
+            )
+            assert_close_to_model(ours, theirs, model, dtype)
+            assert_close_to_model(caches[0].layers[0].keys, caches[1].layers[0].keys, model, dtype)
+            token = theirs.argmax(-1, keepdim=True)
+
+
+def test_qwen2_decode_step_equals_the_transformers_forward(tiny_model: LoadedModel) -> None:
+    assert supports_decode_step(tiny_model.model)
+    _check_steps(tiny_model.model.eval(), torch.float32)
+
+
+def test_llama_decode_step_equals_the_transformers_forward_in_bf16() -> None:
+    model = tiny_llama(layers=4).eval()
+    assert supports_decode_step(model)
+    _check_steps(model, torch.float32)
+    _check_steps(model.to(torch.bfloat16), torch.bfloat16)
+
+
+def test_peft_wrapped_and_sliding_window_models_are_not_supported(tiny_model: LoadedModel) -> None:
+    import copy
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    assert not supports_decode_step(attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=2)))
+    config = Qwen2Config(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=0,
+    )  # fmt: skip
+    assert not supports_decode_step(Qwen2ForCausalLM(config))
+
+
+def test_fused_serving_copy_follows_the_trainers_weights(tiny_model: LoadedModel) -> None:
+    """The merged serving copy's fused q/k/v and gate/up buffers get every re-merge (no stale weights)."""
+    import copy
+
+    from art_core.engine.torch.serving_weights import MergedWeights
+
+    torch.manual_seed(0)
+    peft = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8), adapter_name="live").eval()
+    merged = MergedWeights(peft, "live", torch.float32)
+    layer = merged.model.model.layers[0]
+    fused_qkv, _ = layer.self_attn.art_qkv
+    assert layer.self_attn.q_proj.weight.data_ptr() == fused_qkv.data_ptr()  # the weights are views
+    with torch.no_grad():  # a "train step": the live adapter moves
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    assert merged.sync(peft) > 0
+    attn, mlp = layer.self_attn, layer.mlp
+    expected_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(attn.art_qkv[0], expected_qkv)
+    assert torch.equal(mlp.art_gate_up[0], torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    # and the fused decode step of the copy equals the peft model itself
+    ids, mask, positions = _padded_batch([[5, 9, 33, 7], [44, 2]])
+    caches = [growing_cache(peft.config, room=4) for _ in range(2)]
+    with torch.inference_mode():
+        merged.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=caches[0], use_cache=True
+        )
+        peft(input_ids=ids, attention_mask=mask, position_ids=positions, cache=caches[1], use_cache=True)
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+        token, last = torch.tensor([[3], [4]]), positions[:, -1:] + 1
+        ours = decode_step(merged.model, token, last, mask, caches[0])
+        theirs = peft(
+            input_ids=token, attention_mask=mask, position_ids=last, cache=caches[1], use_cache=True
+        )
+    assert_close_to_model(ours, theirs.logits[:, -1].float(), peft, torch.float32)
+
+
+def test_packed_weights_give_the_same_logits_and_follow_weight_writes() -> None:
+    """bf16 decode steps through oneDNN-packed weights equal the plain ones, and a weight written in
+    place (a re-merge) is packed again before the next step uses it."""
+    from art_core.engine.torch.decode_step import PACKED_WEIGHTS, fuse_projections, pack_weights
+
+    plain, packed = (tiny_llama(layers=4).to(torch.bfloat16).eval() for _ in range(2))  # the same seed
+    fuse_projections(plain)
+    fuse_projections(packed)  # (not a deepcopy of `plain`: that would not keep the fused views)
+    if not pack_weights(packed):
+        pytest.skip("this torch has no oneDNN packed linear for bf16 on this CPU")
+    ids, mask, positions = _padded_batch([[5, 9, 33, 7, 81], [44, 2]])
+
+    def one_step(model: torch.nn.Module) -> torch.Tensor:
+        cache = growing_cache(model.config, room=4)
+        with torch.inference_mode():
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+            return decode_step(model, torch.tensor([[3], [4]]), positions[:, -1:] + 1, step_mask, cache)
+
+    before = one_step(packed)
+    assert_close_to_model(before, one_step(plain), plain, torch.bfloat16)
+    packs = getattr(packed, PACKED_WEIGHTS)
+    assert len(packs) == 4 * 4 + 1  # q/k/v, o, gate/up and down of each layer, and the head
+    with torch.no_grad():  # a re-merge writes the fused buffer in place, through a module's view
+        for model in (plain, packed):
+            model.model.layers[0].self_attn.q_proj.weight.mul_(-3.0)
+    after = one_step(packed)
+    assert (after - before).abs().max() > 0.1  # the new weight is used, not the stale packed copy
+    assert_close_to_model(after, one_step(plain), plain, torch.bfloat16)

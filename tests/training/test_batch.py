@@ -1,0 +1,149 @@
+"""prepare_batch: advantages, skips that are counted and explained, errors the user must fix; packing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from art_core.rollouts.records import History, Trajectory, TrajectoryGroup, Turn
+from art_core.training.batch import BatchTotals, TrainingExample, collate, micro_batches, prepare_batch
+from art_core.training.logprobs import IGNORE_INDEX
+from art_core.training.sequences import NoTrainableTokensError, TokenSequence
+
+
+def trajectory(
+    reward: float | None, completion: tuple[int, ...] = (5, 6), prompt: tuple[int, ...] = (1, 2)
+) -> Trajectory:
+    turn = Turn(prompt_ids=list(prompt), completion_ids=list(completion), logprobs=[-1.0] * len(completion))
+    return Trajectory(turns=[turn], reward=reward)
+
+
+def no_tokens(reward: float) -> Trajectory:
+    return Trajectory(messages=[{"role": "assistant", "content": "prefilled"}], reward=reward)
+
+
+def group(*trajectories: Trajectory) -> TrajectoryGroup:
+    return TrajectoryGroup(trajectories)
+
+
+def test_advantages_and_examples() -> None:
+    batch = prepare_batch([group(trajectory(1.0), trajectory(0.0))], scale_rewards=True, max_context=100)
+    assert [round(e.advantage, 4) for e in batch.examples] == [1.0, -1.0]
+    assert [(e.group_index, e.trajectory_index) for e in batch.examples] == [(0, 0), (0, 1)]
+    assert batch.metrics["reward"] == 0.5 and batch.metrics["groups_trainable"] == 1
+    assert batch.metrics["tokens_trained"] == 4 and batch.metrics["examples"] == 2
+    assert batch.warnings == []
+    assert batch.totals == BatchTotals(num_sequences=2.0, num_tokens=4.0, max_completion_tokens=2.0)
+
+
+def test_unscaled_advantages() -> None:
+    batch = prepare_batch([group(trajectory(3.0), trajectory(1.0))], scale_rewards=False, max_context=100)
+    assert [e.advantage for e in batch.examples] == [1.0, -1.0]
+
+
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf])
+def test_missing_or_non_finite_reward_raises_naming_the_trajectory(bad: float | None) -> None:
+    groups = [group(trajectory(1.0), trajectory(0.0)), group(trajectory(1.0), trajectory(bad))]
+    with pytest.raises(ValueError, match="group 1, trajectory 1"):
+        prepare_batch(groups, scale_rewards=True, max_context=100)
+
+
+def test_empty_group_is_a_counted_skip() -> None:
+    batch = prepare_batch(
+        [group(), group(trajectory(1.0), trajectory(0.0))], scale_rewards=True, max_context=100
+    )
+    assert batch.metrics["groups_empty"] == 1 and len(batch.examples) == 2
+    assert any("group 0" in w and "no trajectories" in w for w in batch.warnings)
+
+
+def test_zero_variance_group_is_a_counted_skip() -> None:
+    groups = [group(trajectory(1.0), trajectory(1.0)), group(trajectory(1.0), trajectory(0.0))]
+    batch = prepare_batch(groups, scale_rewards=True, max_context=100)
+    assert batch.metrics["groups_zero_variance"] == 1 and batch.metrics["groups_trainable"] == 1
+    assert {e.group_index for e in batch.examples} == {1}
+    assert any("group 0" in w and "zero variance" in w for w in batch.warnings)
+
+
+def test_only_zero_variance_groups_give_an_empty_batch_with_reasons() -> None:
+    batch = prepare_batch([group(trajectory(0.0), trajectory(0.0))], scale_rewards=True, max_context=100)
+    assert batch.examples == [] and batch.metrics["groups_zero_variance"] == 1 and batch.warnings
+    with pytest.raises(ValueError, match="at least one example"):
+        _ = batch.totals
+
+
+def test_trajectory_without_tokens_is_skipped_when_others_have_tokens() -> None:
+    batch = prepare_batch(
+        [group(trajectory(1.0), no_tokens(0.0), trajectory(0.5))], scale_rewards=False, max_context=100
+    )
+    assert batch.metrics["trajectories_skipped_no_tokens"] == 1
+    assert any("group 0, trajectory 1" in w and "token records" in w for w in batch.warnings)
+    # The skipped trajectory still counts in the group's baseline (mean 0.5).
+    assert [(e.trajectory_index, e.advantage) for e in batch.examples] == [(0, 0.5)]
+    assert batch.metrics["examples_zero_advantage"] == 1
+
+
+def test_no_tokens_anywhere_raises() -> None:
+    groups = [group(no_tokens(1.0), no_tokens(0.0)), group(no_tokens(1.0), no_tokens(1.0))]
+    with pytest.raises(NoTrainableTokensError, match="none of the 4 trajectories"):
+        prepare_batch(groups, scale_rewards=True, max_context=100)
+
+
+def test_too_long_sequence_is_a_counted_skip_not_truncated() -> None:
+    long = trajectory(1.0, completion=tuple(range(10, 30)))
+    batch = prepare_batch([group(long, trajectory(0.0))], scale_rewards=True, max_context=10)
+    assert batch.metrics["sequences_too_long"] == 1
+    assert [len(e.sequence) for e in batch.examples] == [4]
+    assert any("22 tokens exceed" in w and "context of 10" in w for w in batch.warnings)
+
+
+def test_zero_advantage_examples_are_dropped_but_counted() -> None:
+    groups = [group(trajectory(1.0), trajectory(0.5), trajectory(0.0))]
+    batch = prepare_batch(groups, scale_rewards=True, max_context=100)
+    assert [e.trajectory_index for e in batch.examples] == [0, 2]
+    assert batch.metrics["examples_zero_advantage"] == 1
+
+
+def test_additional_histories_share_the_advantage() -> None:
+    extra = History(turns=[Turn(prompt_ids=[9], completion_ids=[8, 7], logprobs=[-1.0, -1.0])])
+    main = trajectory(1.0)
+    main.additional_histories.append(extra)
+    batch = prepare_batch([group(main, trajectory(0.0))], scale_rewards=True, max_context=100)
+    assert [(e.trajectory_index, e.sequence.token_ids) for e in batch.examples] == [
+        (0, (1, 2, 5, 6)),
+        (0, (9, 8, 7)),
+        (1, (1, 2, 5, 6)),
+    ]
+    assert batch.examples[0].advantage == batch.examples[1].advantage
+
+
+def test_no_groups_gives_an_empty_batch() -> None:
+    batch = prepare_batch([], scale_rewards=True, max_context=100)
+    assert batch.examples == [] and batch.warnings
+
+
+def example(length: int, advantage: float = 1.0) -> TrainingExample:
+    mask = tuple([0] + [1] * (length - 1))
+    logprobs = tuple([math.nan] + [-0.1 * i for i in range(1, length)])
+    return TrainingExample(TokenSequence(tuple(range(1, length + 1)), mask, logprobs), advantage, 0, length)
+
+
+def test_micro_batches_pack_by_padded_length() -> None:
+    examples = [example(n) for n in (3, 8, 5, 8, 2)]
+    batches = micro_batches(examples, micro_batch_tokens=16)
+    assert [[len(e.sequence) for e in b] for b in batches] == [[8, 8], [5, 3, 2]]
+    # a sequence over the budget gets its own micro-batch rather than being dropped
+    assert [[len(e.sequence) for e in b] for b in micro_batches(examples, 6)] == [[8], [8], [5], [3, 2]]
+    assert sum(len(b) for b in micro_batches(examples, 1)) == len(examples)
+
+
+def test_collate_aligns_targets_mask_and_logprobs() -> None:
+    out = collate([example(4, 1.0), example(2, -1.0)], pad_id=0)
+    assert out["input_ids"].tolist() == [[1, 2, 3], [1, 0, 0]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert out["targets"].tolist() == [[2, 3, 4], [2, IGNORE_INDEX, IGNORE_INDEX]]
+    assert out["mask"].tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    assert torch.allclose(out["engine_logprobs"][0], torch.tensor([-0.1, -0.2, -0.3]))
+    assert torch.isnan(out["engine_logprobs"][1, 1:]).all()
+    assert out["advantages"].tolist() == [1.0, -1.0]
