@@ -20,9 +20,47 @@ _EXPORTS = {
     "JudgeConfig": "autorl.judge",
     "JudgeError": "autorl.judge",
     "JudgeResponseError": "autorl.judge",
+    "AutoRLConfig": "autorl.pipeline",
+    "AutoRLResult": "autorl.pipeline",
+    "RunMismatchError": "autorl.pipeline",
+    "train": "autorl.pipeline",
+    "make_inputs": "autorl.pipeline",
+    "InputItem": "autorl.inputs",
+    "InputSet": "autorl.inputs",
+    "InputFileError": "autorl.inputs",
+    "TooFewInputsError": "autorl.inputs",
+    "generate_inputs": "autorl.inputs",
+    "generate_items": "autorl.inputs",
+    "load_inputs": "autorl.inputs",
+    "save_inputs": "autorl.inputs",
+    "HeadToHead": "autorl.head_to_head",
+    "head_to_head": "autorl.head_to_head",
+    "LoopConfig": "autorl.loop",
+    "train_loop": "autorl.loop",
+    "StructuredOutputError": "autorl.structured",
+    "ask_structured": "autorl.structured",
 }
 
 __all__ = [
+    "AutoRLConfig",
+    "AutoRLResult",
+    "HeadToHead",
+    "InputFileError",
+    "InputItem",
+    "InputSet",
+    "LoopConfig",
+    "RunMismatchError",
+    "StructuredOutputError",
+    "TooFewInputsError",
+    "ask_structured",
+    "generate_inputs",
+    "generate_items",
+    "head_to_head",
+    "load_inputs",
+    "make_inputs",
+    "save_inputs",
+    "train",
+    "train_loop",
     "DEFAULT_RUBRIC",
     "JudgeConfig",
     "JudgeError",
@@ -37,7 +75,20 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from autorl.head_to_head import HeadToHead, head_to_head
+    from autorl.inputs import (
+        InputFileError,
+        InputItem,
+        InputSet,
+        TooFewInputsError,
+        generate_inputs,
+        generate_items,
+        load_inputs,
+        save_inputs,
+    )
     from autorl.judge import JudgeConfig, JudgeError, JudgeResponseError
+    from autorl.loop import LoopConfig, train_loop
+    from autorl.pipeline import AutoRLConfig, AutoRLResult, RunMismatchError, make_inputs, train
     from autorl.ruler import (
         DEFAULT_RUBRIC,
         TrajectoryScore,
@@ -48,6 +99,7 @@ if TYPE_CHECKING:
         ruler_score_group,
         scored_groups,
     )
+    from autorl.structured import StructuredOutputError, ask_structured
 
 
 def __getattr__(name: str) -> Any:
