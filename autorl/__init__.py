@@ -17,6 +17,7 @@ _EXPORTS = {
     "ruler": "autorl.ruler",
     "ruler_score_group": "autorl.ruler",
     "scored_groups": "autorl.ruler",
+    "RulerConfig": "autorl.judging",
     "JudgeConfig": "autorl.judge",
     "JudgeError": "autorl.judge",
     "JudgeResponseError": "autorl.judge",
@@ -65,6 +66,7 @@ __all__ = [
     "JudgeConfig",
     "JudgeError",
     "JudgeResponseError",
+    "RulerConfig",
     "TrajectoryScore",
     "build_judge_messages",
     "judge_response_schema",
@@ -87,6 +89,7 @@ if TYPE_CHECKING:
         save_inputs,
     )
     from autorl.judge import JudgeConfig, JudgeError, JudgeResponseError
+    from autorl.judging import RulerConfig
     from autorl.loop import LoopConfig, train_loop
     from autorl.pipeline import AutoRLConfig, AutoRLResult, RunMismatchError, make_inputs, train
     from autorl.ruler import (

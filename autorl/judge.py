@@ -7,8 +7,13 @@ how the answer is validated belong to `autorl.ruler`.
 
 Structured outputs: the JSON schema is sent as `response_format` (`json_schema`, strict), so a
 server with constrained decoding can only answer valid JSON. A server that answers 400 to it
-is asked once more without it, and that judge endpoint (model + URL) is not sent it again in
-this process (logged at INFO); the prompt still asks for the same JSON.
+is sent the caller's simpler fallback schema, if any (OpenAI's strict mode rejects the
+`prefixItems` of RULER's exact schema but takes its per-item form), then no response_format;
+what a judge endpoint (model + URL) refused is not sent to it again in this process (logged at
+INFO); the prompt still asks for the same JSON.
+
+Logprobs: `complete(..., top_logprobs=k)` also asks for the k most likely tokens at each answer
+position (`JudgeAnswer.top_logprobs`), which the probability-weighted and pairwise RULER modes read.
 
 Caching: answers are cached by `answer_cache_key` (sha256 of the canonical JSON of the model,
 the endpoint URL, the messages and the schema), in memory and, with `cache_dir`, on disk as
@@ -122,6 +127,23 @@ class JudgeConfig:
         return self.base_url or self.extra_params.get("api_base")
 
 
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0"})
+"""Hosts whose judge counts as local (`is_local_judge`)."""
+
+LOCAL_LITELLM_PREFIXES = ("ollama/", "ollama_chat/", "lm_studio/", "llamafile/")
+"""LiteLLM providers that serve models on the user's own machine."""
+
+
+def is_local_judge(config: JudgeConfig) -> bool:
+    """Whether the judge runs on this machine: its URL's host is a loopback name, or its LiteLLM
+    provider is a local runtime (`LOCAL_LITELLM_PREFIXES`). Such judges are usually small models."""
+    from urllib.parse import urlsplit
+
+    if config.endpoint:
+        return (urlsplit(config.endpoint).hostname or "") in LOCAL_HOSTS
+    return config.model.startswith(LOCAL_LITELLM_PREFIXES)
+
+
 def as_judge_config(judge: JudgeConfig | str) -> JudgeConfig:
     """`judge` itself, or `JudgeConfig(model=judge)` for a plain model string."""
     if isinstance(judge, JudgeConfig):
@@ -137,9 +159,15 @@ class JudgeError(RuntimeError):
     `attempts` holds, per call, the raw answer text or a one-line summary of the exception.
     """
 
-    def __init__(self, message: str, attempts: Sequence[str] = ()) -> None:
+    def __init__(
+        self, message: str, attempts: Sequence[str] = (), calls: int | None = None, errors: int | None = None
+    ) -> None:
         super().__init__(message)
         self.attempts: list[str] = list(attempts)
+        self.calls: int = len(self.attempts) if calls is None else calls
+        """Judge calls made before giving up."""
+        self.errors: int = self.calls if errors is None else errors
+        """Those of the calls that gave no usable answer."""
 
 
 class JudgeResponseError(JudgeError):
@@ -152,6 +180,9 @@ class JudgeAnswer:
 
     text: str
     finish_reason: str | None = None
+    top_logprobs: tuple[dict[str, float], ...] | None = None
+    """Asked with `top_logprobs=k`: per answer token, its k most likely tokens and their log-probs
+    (None when the endpoint returned no logprobs)."""
 
 
 # -- transport ----------------------------------------------------------------------------------
@@ -199,36 +230,43 @@ def describe_transport_error(exc: BaseException, config: JudgeConfig) -> str:
     return text
 
 
+def _request_params(fmt: dict[str, Any] | None, top_logprobs: int | None) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    if fmt is not None:
+        params["response_format"] = fmt
+    if top_logprobs is not None:
+        params["logprobs"] = True
+        params["top_logprobs"] = top_logprobs
+    return params
+
+
 async def _send_openai(
-    config: JudgeConfig, messages: list[dict[str, Any]], fmt: dict[str, Any] | None
+    config: JudgeConfig, messages: list[dict[str, Any]], params: dict[str, Any]
 ) -> JudgeAnswer:
     from openai import AsyncOpenAI
 
-    extra = {"response_format": fmt} if fmt is not None else {}
     async with AsyncOpenAI(
         base_url=config.base_url, api_key=config.api_key or "none", max_retries=0
     ) as client:
         response = await client.chat.completions.create(  # type: ignore[call-overload]
             model=config.model,
-            messages=messages,
+            messages=messages,  # type: ignore[arg-type]
             temperature=config.temperature,
             max_tokens=config.max_tokens,
-            **extra,
+            **params,
             **config.extra_params,
         )
     return _answer(response)
 
 
 async def _send_litellm(
-    config: JudgeConfig, messages: list[dict[str, Any]], fmt: dict[str, Any] | None
+    config: JudgeConfig, messages: list[dict[str, Any]], params: dict[str, Any]
 ) -> JudgeAnswer:
     import litellm  # imported here: it takes seconds
 
-    params: dict[str, Any] = {"max_retries": 0, **config.extra_params}
+    params = {"max_retries": 0, **config.extra_params, **params}
     if config.api_key is not None:
         params["api_key"] = config.api_key
-    if fmt is not None:
-        params["response_format"] = fmt
     response = await litellm.acompletion(
         model=config.model,
         messages=messages,
@@ -239,39 +277,90 @@ async def _send_litellm(
     return _answer(response)
 
 
+def _field(value: Any, name: str) -> Any:
+    return value.get(name) if isinstance(value, dict) else getattr(value, name, None)
+
+
+def _top_logprobs(choice: Any) -> tuple[dict[str, float], ...] | None:
+    """Per answer token, {token: logprob} of its top alternatives (openai and LiteLLM objects alike)."""
+    content = _field(_field(choice, "logprobs"), "content")
+    if not content:
+        return None
+    out = []
+    for entry in content:
+        top = {
+            str(_field(t, "token")): float(_field(t, "logprob")) for t in _field(entry, "top_logprobs") or ()
+        }
+        token = _field(entry, "token")
+        if token is not None:
+            top.setdefault(str(token), float(_field(entry, "logprob")))
+        out.append(top)
+    return tuple(out)
+
+
 def _answer(response: Any) -> JudgeAnswer:
     if not response.choices:
         return JudgeAnswer("", "no choices")
     choice = response.choices[0]
-    return JudgeAnswer(choice.message.content or "", getattr(choice, "finish_reason", None))
+    return JudgeAnswer(
+        choice.message.content or "", getattr(choice, "finish_reason", None), _top_logprobs(choice)
+    )
+
+
+_NO_EXACT_SCHEMA: set[tuple[str, str | None]] = set()
+"""Judge endpoints that answered 400 to a primary schema but took its fallback (OpenAI's strict
+mode rejects `prefixItems`, for one); they are sent the fallback directly."""
+
+
+def _refused(exc: Exception) -> bool:
+    return is_transport_error(exc) and status_code(exc) == 400
 
 
 async def complete(
-    config: JudgeConfig, messages: list[dict[str, Any]], schema: Mapping[str, Any]
+    config: JudgeConfig,
+    messages: list[dict[str, Any]],
+    schema: Mapping[str, Any] | None,
+    *,
+    fallback_schema: Mapping[str, Any] | None = None,
+    top_logprobs: int | None = None,
 ) -> JudgeAnswer:
     """One judge call (no retries), with the schema as response_format when the endpoint takes it.
 
-    Raises the transport's own errors (openai/LiteLLM exceptions); see `is_transport_error`.
+    `schema=None` sends no response_format. An endpoint that answers 400 to `schema` is sent
+    `fallback_schema` (when given) and then no response_format; what it refused is remembered for
+    this process. `top_logprobs=k` asks for the k most likely tokens at each answer position
+    (`JudgeAnswer.top_logprobs`). Raises the transport's own errors (openai/LiteLLM exceptions);
+    see `is_transport_error`.
     """
     send = _send_openai if config.base_url else _send_litellm
     key = (config.model, config.endpoint)
+    schemas = [s for s in (schema, fallback_schema) if s is not None]
+    if key in _NO_EXACT_SCHEMA and fallback_schema is not None:
+        schemas = [fallback_schema]
     if not config.structured_output or key in _NO_STRUCTURED_OUTPUT:
-        return await send(config, messages, None)
-    try:
-        return await send(config, messages, response_format(schema))
-    except Exception as exc:
-        if not is_transport_error(exc) or status_code(exc) != 400:
-            raise
-        logger.info(
-            "judge %s at %s answered 400 to response_format json_schema (%s); asking again without it, "
-            "and not sending it to this judge again",
-            config.model,
-            config.endpoint or "its provider",
-            str(exc).replace("\n", " ")[:300],
-        )
-        answer = await send(config, messages, None)
-        _NO_STRUCTURED_OUTPUT.add(key)
+        schemas = []
+    for k, candidate in enumerate(schemas):
+        try:
+            answer = await send(config, messages, _request_params(response_format(candidate), top_logprobs))
+        except Exception as exc:
+            if not _refused(exc):
+                raise
+            last = k == len(schemas) - 1
+            logger.info(
+                "judge %s at %s answered 400 to response_format json_schema (%s); asking again %s",
+                config.model,
+                config.endpoint or "its provider",
+                str(exc).replace("\n", " ")[:300],
+                "without it, and not sending it to this judge again" if last else "with a simpler schema",
+            )
+            continue
+        if k > 0:
+            _NO_EXACT_SCHEMA.add(key)
         return answer
+    answer = await send(config, messages, _request_params(None, top_logprobs))
+    if schemas:
+        _NO_STRUCTURED_OUTPUT.add(key)
+    return answer
 
 
 # -- asking -------------------------------------------------------------------------------------
@@ -286,6 +375,7 @@ async def ask_judge(
     *,
     parse: Callable[[str], T],
     correction: Callable[[str], str],
+    fallback_schema: Mapping[str, Any] | None = None,
 ) -> tuple[T, int]:
     """Ask until `parse` accepts an answer (up to `max_attempts` calls); returns (parsed, calls made).
 
@@ -307,7 +397,7 @@ async def ask_judge(
     conversation, answered = messages, False
     for n in range(1, config.max_attempts + 1):
         try:
-            answer = await complete(config, conversation, schema)
+            answer = await complete(config, conversation, schema, fallback_schema=fallback_schema)
         except Exception as exc:
             if not is_transport_error(exc):
                 raise
@@ -425,4 +515,5 @@ __all__ = [
     "ask_judge",
     "clear_memory_cache",
     "complete",
+    "is_local_judge",
 ]

@@ -13,13 +13,19 @@ What changes from OpenPipe ART's RULER:
   wrong count, unknown, duplicate or missing ids, scores outside [0, 1] or NaN are errors;
 - an invalid answer is retried (`JudgeConfig.max_attempts`) with the reason it was invalid;
 - the judge is any LiteLLM model or any OpenAI-compatible URL (our own server included), and is
-  sent the answer's JSON schema as `response_format` so constrained decoding can enforce it;
+  sent the answer's JSON schema as `response_format` so constrained decoding can enforce it; the
+  schema names every trajectory id exactly once, in order (`judge_response_schema`), so a
+  constrained answer cannot have a duplicate or missing id;
+- a small judge gets a signal through two more modes, read from its logprobs (`RulerConfig.mode`,
+  `autorl.judging`): probability-weighted digit scores (`autorl.weighted`) and pairwise
+  preferences combined by Bradley-Terry (`autorl.pairwise`); "auto" picks by the judge;
 - the agent's tools are shown to the judge;
 - identical trajectories are judged once and share one score (so they always score the same; a
   group whose trajectories are all identical is judged as a single trajectory);
 - failures are never a silent zero or a silently dropped group: they raise, or (on_error="count")
   leave the rewards unset and set `group.metrics["ruler_errors"] = 1`, which `scored_groups`
-  counts and separates before training.
+  counts and separates before training; every group says how many judge calls it took and how
+  many of them failed (`judge_calls`, `judge_errors`).
 
 Only `trajectory.messages` is judged: `additional_histories` (sub-agents, other LLM nodes) are
 not shown to the judge.
@@ -27,17 +33,20 @@ not shown to the judge.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
-
-from pydantic import BaseModel
 
 from art_core.types import TrajectoryGroup
 from autorl.judge import JudgeConfig, JudgeError, JudgeResponseError, as_judge_config, ask_judge
+from autorl.judging import Judgement, JudgingMode, RulerConfig, TrajectoryScore, resolve_mode
+from autorl.label_probs import NoLabelProbabilitiesError
+from autorl.pairwise import judge_pairwise
+from autorl.transcript import common_prefix_length, json_lines, to_json
+from autorl.weighted import judge_weighted
 
 logger = logging.getLogger(__name__)
 
@@ -72,46 +81,7 @@ class TooFewTrajectoriesError(ValueError):
     """Relative scoring needs at least two trajectories."""
 
 
-@dataclass(frozen=True)
-class TrajectoryScore:
-    """The judge's verdict on one trajectory."""
-
-    trajectory_id: str
-    """The trajectory's id in the prompt: "1" for the first message list, "2" for the second..."""
-    score: float
-    """Between 0 and 1; only its rank within the group matters to GRPO."""
-    explanation: str
-    """The judge's reason for the score."""
-
-
 # -- prompt -------------------------------------------------------------------------------------
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, BaseModel):
-        return value.model_dump(exclude_none=True)
-    raise TypeError(f"cannot show a {type(value).__name__} to the judge: messages must be JSON-serialisable")
-
-
-def to_json(value: Any) -> str:
-    """One message or tool as written into the prompt: one line, key order kept, UTF-8 as is."""
-    return json.dumps(value, ensure_ascii=False, default=_json_default)
-
-
-def json_lines(items: Sequence[Any]) -> str:
-    """A JSON array with one item per line (still valid JSON; easy for the judge to follow)."""
-    return "[\n" + ",\n".join(to_json(item) for item in items) + "\n]" if items else "[]"
-
-
-def common_prefix_length(message_lists: Sequence[Sequence[Mapping[str, Any]]]) -> int:
-    """Number of leading messages that every list has in common (0 for fewer than two lists)."""
-    if len(message_lists) < 2:
-        return 0
-    first, n = message_lists[0], min(len(m) for m in message_lists)
-    for i in range(n):
-        if any(to_json(m[i]) != to_json(first[i]) for m in message_lists[1:]):
-            return i
-    return n
 
 
 def build_judge_messages(
@@ -138,31 +108,60 @@ def build_judge_messages(
     ]
 
 
-def judge_response_schema(ids: Sequence[str], explanation_max_chars: int | None = None) -> dict[str, Any]:
-    """The JSON schema of a judge answer scoring exactly the trajectories `ids`."""
+def _score_item(trajectory_id: dict[str, Any], explanation_max_chars: int | None) -> dict[str, Any]:
     explanation: dict[str, Any] = {
         "type": "string",
         "description": "One or two sentences on the trajectory's quality.",
     }
     if explanation_max_chars is not None:
         explanation["maxLength"] = explanation_max_chars
-    item = {
+    return {
         "type": "object",
         "properties": {
-            "trajectory_id": {"type": "string", "enum": list(ids)},
+            "trajectory_id": trajectory_id,
             "explanation": explanation,
             "score": {"type": "number", "minimum": 0, "maximum": 1},
         },
         "required": ["trajectory_id", "explanation", "score"],
         "additionalProperties": False,
     }
-    scores = {"type": "array", "items": item, "minItems": len(ids), "maxItems": len(ids)}
+
+
+def _scores_object(scores: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
         "properties": {"scores": scores},
         "required": ["scores"],
         "additionalProperties": False,
     }
+
+
+def judge_response_schema(ids: Sequence[str], explanation_max_chars: int | None = None) -> dict[str, Any]:
+    """The JSON schema of a judge answer scoring exactly the trajectories `ids`, in ART's shape.
+
+    Position k of `scores` must carry `trajectory_id` ids[k] (`prefixItems` with a `const` each,
+    `items: false`, exactly len(ids) items), so a server with constrained decoding (ours,
+    llguidance) cannot answer a duplicate, unknown or missing id. OpenAI's strict mode rejects
+    `prefixItems`; such a judge is sent `judge_response_fallback_schema` instead.
+    """
+    positions = [_score_item({"type": "string", "const": i}, explanation_max_chars) for i in ids]
+    scores = {
+        "type": "array",
+        "prefixItems": positions,
+        "items": False,
+        "minItems": len(ids),
+        "maxItems": len(ids),
+    }
+    return _scores_object(scores)
+
+
+def judge_response_fallback_schema(
+    ids: Sequence[str], explanation_max_chars: int | None = None
+) -> dict[str, Any]:
+    """The same answer with each id from an `enum` (what OpenAI's strict mode takes): the count
+    is exact, but duplicates are possible and `parse_scores` catches them."""
+    item = _score_item({"type": "string", "enum": list(ids)}, explanation_max_chars)
+    return _scores_object({"type": "array", "items": item, "minItems": len(ids), "maxItems": len(ids)})
 
 
 # -- answer -------------------------------------------------------------------------------------
@@ -265,18 +264,6 @@ def parse_scores(text: str, ids: Sequence[str]) -> list[TrajectoryScore]:
 # -- judging ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Judgement:
-    """Scores for every input trajectory, and how they were obtained."""
-
-    scores: list[TrajectoryScore]
-    """One per input message list, ids "1".."N" in input order."""
-    attempts: int
-    """Judge calls made; 0 when the answer came from the cache."""
-    judged: int
-    """Distinct trajectories the judge saw (identical ones are judged once)."""
-
-
 def _correction(reason: str, ids: Sequence[str]) -> str:
     return (
         f"That answer is invalid: {reason}. Answer again with one JSON object of the form "
@@ -285,14 +272,69 @@ def _correction(reason: str, ids: Sequence[str]) -> str:
     )
 
 
+async def _judge_sampled(
+    unique: Sequence[Sequence[Mapping[str, Any]]],
+    config: JudgeConfig,
+    rubric: str,
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> Judgement:
+    ids = [str(j + 1) for j in range(len(unique))]
+    scores, calls = await ask_judge(
+        config,
+        build_judge_messages(unique, rubric, tools),
+        judge_response_schema(ids, config.explanation_max_chars),
+        parse=lambda text: parse_scores(text, ids),
+        correction=lambda reason: _correction(reason, ids),
+        fallback_schema=judge_response_fallback_schema(ids, config.explanation_max_chars),
+    )
+    return Judgement(scores, calls, len(unique), errors=max(calls - 1, 0), mode="sampled")
+
+
+async def _judge_distinct(
+    unique: Sequence[Sequence[Mapping[str, Any]]],
+    config: JudgeConfig,
+    rubric: str,
+    tools: Sequence[Mapping[str, Any]] | None,
+    settings: RulerConfig,
+) -> Judgement:
+    mode: JudgingMode = resolve_mode(settings, config)
+    if mode == "sampled":
+        return await _judge_sampled(unique, config, rubric, tools)
+    judge_by_probs = judge_weighted if mode == "weighted" else judge_pairwise
+    try:
+        return await judge_by_probs(unique, config, rubric, tools, settings)
+    except NoLabelProbabilitiesError as exc:
+        if settings.mode != "auto":
+            raise
+        logger.warning(
+            "RULER %s judge %s gave no label probabilities (%s); judging the group with sampled JSON instead",
+            mode,
+            config.model,
+            str(exc)[:300],
+        )
+        try:
+            sampled = await _judge_sampled(unique, config, rubric, tools)
+        except JudgeError as failed:
+            failed.calls += exc.calls
+            failed.errors += exc.errors
+            raise
+        return dataclasses.replace(
+            sampled, attempts=sampled.attempts + exc.calls, errors=sampled.errors + exc.errors, fallback=True
+        )
+
+
 async def judge_message_lists(
     message_lists: Sequence[Sequence[Mapping[str, Any]]],
     judge: JudgeConfig | str,
     rubric: str = DEFAULT_RUBRIC,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    config: RulerConfig | None = None,
 ) -> Judgement:
-    """`ruler`, also saying how many calls it took and how many distinct trajectories were judged."""
-    config = as_judge_config(judge)
+    """`ruler`, also saying how many calls it took, how many failed and how many distinct
+    trajectories were judged. Identical message lists are judged once and share a score."""
+    judge_config = as_judge_config(judge)
+    settings = config if config is not None else RulerConfig()
     if len(message_lists) < 2:
         raise TooFewTrajectoriesError(
             f"RULER scores trajectories relative to each other and needs at least 2, got {len(message_lists)}"
@@ -300,20 +342,12 @@ async def judge_message_lists(
     distinct: dict[str, int] = {}
     slot = [distinct.setdefault(to_json(list(m)), len(distinct)) for m in message_lists]
     unique = [message_lists[slot.index(j)] for j in range(len(distinct))]
-    ids = [str(j + 1) for j in range(len(unique))]
-    messages = build_judge_messages(unique, rubric, tools)
-    scores, calls = await ask_judge(
-        config,
-        messages,
-        judge_response_schema(ids, config.explanation_max_chars),
-        parse=lambda text: parse_scores(text, ids),
-        correction=lambda reason: _correction(reason, ids),
-    )
+    judgement = await _judge_distinct(unique, judge_config, rubric, tools, settings)
     out = [
-        TrajectoryScore(trajectory_id=str(i + 1), score=scores[j].score, explanation=scores[j].explanation)
+        TrajectoryScore(str(i + 1), judgement.scores[j].score, judgement.scores[j].explanation)
         for i, j in enumerate(slot)
     ]
-    return Judgement(out, calls, len(unique))
+    return dataclasses.replace(judgement, scores=out)
 
 
 async def ruler(
@@ -321,13 +355,16 @@ async def ruler(
     judge: JudgeConfig | str,
     rubric: str = DEFAULT_RUBRIC,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    config: RulerConfig | None = None,
 ) -> list[TrajectoryScore]:
     """Score each message list relative to the others; ids "1".."N" in input order.
 
+    `config` chooses the judging mode (`RulerConfig`, default "auto": see `autorl.judging`).
     Raises TooFewTrajectoriesError (a ValueError) for fewer than 2 lists, JudgeResponseError when
     the judge kept answering invalidly, JudgeError when the calls themselves failed.
     """
-    return (await judge_message_lists(message_lists, judge, rubric, tools)).scores
+    return (await judge_message_lists(message_lists, judge, rubric, tools, config=config)).scores
 
 
 # -- groups -------------------------------------------------------------------------------------
@@ -367,17 +404,23 @@ async def ruler_score_group(
     rubric: str = DEFAULT_RUBRIC,
     *,
     on_error: Literal["raise", "count"] = "raise",
+    config: RulerConfig | None = None,
 ) -> TrajectoryGroup:
     """A copy of `group` whose rewards are RULER scores; usable as `after_each` in gathering.
 
+    `config` chooses the judging mode (`RulerConfig`; default "auto", see `autorl.judging`).
     Each trajectory keeps its previous reward (if any) in `metrics["independent_reward"]` and gets
     `metrics["ruler_score"]` and `reward` set to its score, and the judge's explanation appended to
-    its `logs`. The group gets `metrics["ruler_errors"] = 0` and `metrics["ruler_attempts"]`.
+    its `logs`. The group's metrics say how it went, on success and failure alike:
+    `ruler_errors` (1 if the group could not be scored, else 0), `judge_calls` (calls made, 0 from
+    the cache; `ruler_attempts` is the same number, kept for compatibility), `judge_errors` (calls
+    that gave no usable answer: transport errors and invalid answers, retried or not) and
+    `judge_fallbacks` (1 when "auto" fell back to sampled JSON).
 
     Failure (a judge error, or fewer than 2 trajectories): on_error="raise" raises it; "count"
-    returns the copy with every reward unset (None), `metrics["ruler_errors"] = 1` and the error in
-    `group.logs`, logged at WARNING. Training refuses unset rewards, so pass the groups through
-    `scored_groups` first and log its count.
+    returns the copy with every reward unset (None, never a made-up 0), `ruler_errors` = 1 and the
+    error in `group.logs`, logged at WARNING. Training refuses unset rewards, so pass the groups
+    through `scored_groups` first and log its count.
     """
     if on_error not in ("raise", "count"):
         raise ValueError(f"on_error must be 'raise' or 'count', got {on_error!r}")
@@ -386,22 +429,30 @@ async def ruler_score_group(
     scored = _copy_group(group)
     try:
         judgement = await judge_message_lists(
-            [t.messages for t in scored.trajectories], judge, rubric, _group_tools(scored)
+            [t.messages for t in scored.trajectories], judge, rubric, _group_tools(scored), config=config
         )
     except (JudgeError, TooFewTrajectoriesError) as exc:
+        calls = exc.calls if isinstance(exc, JudgeError) else 0
+        errors = exc.errors if isinstance(exc, JudgeError) else 0
+        scored.metrics.update(ruler_errors=1, ruler_attempts=calls, judge_calls=calls, judge_errors=errors)
         if on_error == "raise":
             raise
         message = f"RULER failed for a group of {len(scored.trajectories)} trajectories: {exc}"
         logger.warning("%s", message)
-        scored.metrics["ruler_errors"] = 1
         scored.logs.append(message)
         return scored
     for trajectory, score in zip(scored.trajectories, judgement.scores, strict=True):
         trajectory.metrics["ruler_score"] = score.score
         trajectory.reward = score.score
         trajectory.logs.append(f"RULER score {score.score:.3f}: {score.explanation}")
-    scored.metrics["ruler_errors"] = 0
-    scored.metrics["ruler_attempts"] = judgement.attempts
+    scored.metrics.update(
+        ruler_errors=0,
+        ruler_attempts=judgement.attempts,
+        judge_calls=judgement.attempts,
+        judge_errors=judgement.errors,
+        judge_fallbacks=int(judgement.fallback),
+    )
+    scored.logs.append(f"RULER judged {judgement.judged} distinct trajectories in mode {judgement.mode!r}")
     return scored
 
 
@@ -422,6 +473,12 @@ __all__ = [
     "JudgeError",
     "JudgeResponseError",
     "Judgement",
+    "JudgingMode",
+    "RulerConfig",
+    "common_prefix_length",
+    "judge_response_fallback_schema",
+    "json_lines",
+    "to_json",
     "TooFewTrajectoriesError",
     "TrajectoryScore",
     "build_judge_messages",

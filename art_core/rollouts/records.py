@@ -6,8 +6,9 @@ free-form metrics. Trajectories cross process boundaries (the remote backend, th
 logs), so they are pydantic models.
 
 ART compatibility: `Trajectory(messages_and_choices=[*messages, choice], reward=r)` works,
-where `choice` is an `openai` `Choice` returned by our server; its token record is taken
-from the extra fields our server adds to every choice.
+where `choice` is an `openai` or LiteLLM `Choice` returned by our server; its token record is
+taken from the extra fields our server adds to every choice (LiteLLM moves most of them into
+`provider_specific_fields`; both places are read).
 """
 
 from __future__ import annotations
@@ -62,35 +63,69 @@ class History(BaseModel):
     turns: list[Turn] = Field(default_factory=list)
 
 
+TOKEN_FIELDS = ("prompt_token_ids", "token_ids", "token_logprobs")
+"""The token fields our server adds to every choice (with `served_model`)."""
+
+
+def _token_fields(choice: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """The choice's token fields wherever the client put them: at its top level (openai keeps
+    unknown fields there) or in `provider_specific_fields` (where LiteLLM moves most of them)."""
+    top = data if isinstance(choice, dict) else {**data, **(choice.model_extra or {})}
+    found: dict[str, Any] = {}
+    for source in (top.get("provider_specific_fields") or {}, top):
+        for key in (*TOKEN_FIELDS, "served_model"):
+            if isinstance(source, dict) and source.get(key) is not None:
+                found[key] = source[key]
+    return found
+
+
 def turn_from_choice(choice: Any) -> tuple[Message, Turn | None]:
-    """Split an `openai` Choice (or its dict) from our server into a message and a token record.
+    """Split an `openai` or LiteLLM Choice (or its dict) from our server into a message and a token record.
 
     Returns the assistant message as a dict (tool calls kept) and the `Turn` when the choice
-    carries our server's token fields, else None (a choice from some other server).
+    carries our server's token fields (at its top level or in LiteLLM's
+    `provider_specific_fields`), None when it carries none of them (a choice from some other
+    server). A choice with only some of them is a ValueError naming the missing ones.
     """
     data: dict[str, Any] = choice if isinstance(choice, dict) else choice.model_dump()
     message = {k: v for k, v in (data.get("message") or {}).items() if v is not None}
     message.setdefault("role", "assistant")
     message.setdefault("content", None)
-    for key in ("refusal", "audio", "annotations", "function_call"):
+    for key in ("refusal", "audio", "annotations", "function_call", "provider_specific_fields"):
         message.pop(key, None)
     if not message.get("tool_calls"):
         message.pop("tool_calls", None)
-    extra = data if isinstance(choice, dict) else {**data, **(choice.model_extra or {})}
-    if "token_ids" not in extra or "prompt_token_ids" not in extra:
+    fields = _token_fields(choice, data)
+    missing = [key for key in TOKEN_FIELDS if key not in fields]
+    if len(missing) == len(TOKEN_FIELDS):
         return message, None
-    if extra.get("token_logprobs") is None:
+    if missing:
+        present = [key for key in TOKEN_FIELDS if key in fields]
         raise ValueError(
-            "choice has `token_ids` but no `token_logprobs`; the server must return both to train on it"
+            f"choice has {', '.join(present)} but no {', '.join(missing)} (looked at its top level and "
+            "its provider_specific_fields); the server must return all of "
+            f"{', '.join(TOKEN_FIELDS)} to train on it"
         )
     turn = Turn(
-        prompt_ids=list(extra["prompt_token_ids"]),
-        completion_ids=list(extra["token_ids"]),
-        logprobs=list(extra["token_logprobs"]),
-        model=str(extra.get("served_model") or ""),
+        prompt_ids=list(fields["prompt_token_ids"]),
+        completion_ids=list(fields["token_ids"]),
+        logprobs=list(fields["token_logprobs"]),
+        model=str(fields.get("served_model") or ""),
         finish_reason=str(data.get("finish_reason") or "stop"),
     )
     return message, turn
+
+
+def untrained_choice_note(item: Any, turn: Turn | None, index: int) -> str | None:
+    """Why the choice added as message `index` has no token record (None for messages and records)."""
+    if turn is not None or (isinstance(item, dict) and "role" in item):
+        return None
+    if isinstance(item, BaseModel) and hasattr(item, "role") and not hasattr(item, "message"):
+        return None
+    return (
+        f"the choice added as message {index} carries none of {', '.join(TOKEN_FIELDS)} (neither at its "
+        "top level nor in provider_specific_fields), so it was not served by our server"
+    )
 
 
 def message_or_choice(item: Any) -> tuple[Message, Turn | None]:
@@ -122,6 +157,9 @@ class Trajectory(BaseModel):
     metadata: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
     start_time: float = Field(default_factory=time.time)
+    untrained_choices: SkipJsonSchema[list[str]] = Field(default_factory=list, exclude=True, repr=False)
+    """Why each choice added without a token record has none (shown by NoTrainableTokensError);
+    not serialised."""
 
     def __init__(self, messages_and_choices: Iterable[Any] | None = None, **data: Any) -> None:
         """Accepts ART's `messages_and_choices` (messages mixed with choices) beside the fields."""
@@ -138,12 +176,16 @@ class Trajectory(BaseModel):
         items = data.pop("messages_and_choices")
         messages: list[Message] = list(data.get("messages", []))
         turns: list[Turn] = list(data.get("turns", []))
+        notes: list[str] = list(data.get("untrained_choices", []))
         for item in items:
             message, turn = message_or_choice(item)
+            note = untrained_choice_note(item, turn, len(messages))
+            if note is not None:
+                notes.append(note)
             messages.append(message)
             if turn is not None:
                 turns.append(turn)
-        data["messages"], data["turns"] = messages, turns
+        data["messages"], data["turns"], data["untrained_choices"] = messages, turns, notes
         return data
 
     @property
@@ -158,6 +200,9 @@ class Trajectory(BaseModel):
     def add_choice(self, choice: Any) -> Message:
         """Append a message, or an assistant choice from our server (message and token record)."""
         message, turn = message_or_choice(choice)
+        note = untrained_choice_note(choice, turn, len(self.messages))
+        if note is not None:
+            self.untrained_choices.append(note)
         self.messages.append(message)
         if turn is not None:
             self.turns.append(turn)
@@ -280,6 +325,9 @@ class MessagesAndChoices(MutableSequence[Any]):
             raise ValueError(
                 "a choice with a token record can only be appended at the end of the conversation"
             )
+        note = untrained_choice_note(value, turn, min(index, len(self)))
+        if note is not None:
+            self._trajectory.untrained_choices.append(note)
         self._trajectory.messages.insert(index, message)
         if turn is not None:
             self._trajectory.turns.append(turn)

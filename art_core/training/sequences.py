@@ -115,6 +115,13 @@ def trajectory_sequences(trajectory: Trajectory) -> list[TokenSequence]:
     trainable = [seq for seq in sequences if seq.num_trainable > 0]
     if trainable:
         return trainable
+    if not any(histories) and trajectory.untrained_choices:
+        raise NoTrainableTokensError(
+            "trajectory has no token records, so there is nothing to train on: "
+            + "; ".join(trajectory.untrained_choices)
+            + ". Token records come only from completions served by our server, which adds those fields "
+            "to every choice"
+        )
     if not any(histories):
         raise NoTrainableTokensError(
             "trajectory has no token records, so there is nothing to train on. Token records come only "

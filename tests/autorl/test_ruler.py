@@ -11,34 +11,38 @@ Rewrite the golden files with `UPDATE_GOLDEN=1 pytest tests/autorl/test_ruler.py
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
 import os
-from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from art_core.rollouts.records import Trajectory, TrajectoryGroup
 from art_core.server.app import serve_in_thread
 from autorl.judge import JudgeConfig, JudgeError, JudgeResponseError, clear_memory_cache, response_format
+from autorl.judging import RulerConfig
 from autorl.ruler import (
     DEFAULT_RUBRIC,
     TooFewTrajectoriesError,
     build_judge_messages,
+    judge_response_fallback_schema,
     judge_response_schema,
     parse_scores,
     ruler,
     ruler_score_group,
     scored_groups,
 )
+from tests.helpers_judge import Reply, ScriptedJudge, judge_fixtures, judge_for
+
+scripted_judge_server, transport = judge_fixtures()
+
+SAMPLED = RulerConfig(mode="sampled")
+"""These tests are about the sampled-JSON judge; the scripted server is on 127.0.0.1, where
+mode="auto" would pick the local (logprob) mode."""
 
 GOLDEN = Path(__file__).parent / "golden" / "ruler"
 
@@ -176,16 +180,55 @@ def test_judge_prompt_without_common_prefix_has_no_context() -> None:
     )
 
 
-def test_response_schema_is_strict_and_exact() -> None:
-    schema = judge_response_schema(["1", "2"])
+def test_response_schema_names_every_id_once_in_order() -> None:
+    schema = judge_response_schema(["1", "2", "3"])
     scores = schema["properties"]["scores"]
     assert schema["required"] == ["scores"] and schema["additionalProperties"] is False
-    assert scores["minItems"] == scores["maxItems"] == 2
-    item = scores["items"]
-    assert item["properties"]["trajectory_id"]["enum"] == ["1", "2"]
-    assert item["properties"]["score"] == {"type": "number", "minimum": 0, "maximum": 1}
-    assert set(item["required"]) == {"trajectory_id", "explanation", "score"}
-    assert item["additionalProperties"] is False
+    assert scores["minItems"] == scores["maxItems"] == 3 and scores["items"] is False
+    positions = scores["prefixItems"]
+    assert [p["properties"]["trajectory_id"] for p in positions] == [
+        {"type": "string", "const": i} for i in ("1", "2", "3")
+    ]
+    for item in positions:
+        assert item["properties"]["score"] == {"type": "number", "minimum": 0, "maximum": 1}
+        assert set(item["required"]) == {"trajectory_id", "explanation", "score"}
+        assert item["additionalProperties"] is False
+
+
+def test_fallback_schema_has_the_same_shape_without_prefix_items() -> None:
+    schema = judge_response_fallback_schema(["1", "2"], explanation_max_chars=50)
+    scores = schema["properties"]["scores"]
+    assert "prefixItems" not in json.dumps(schema) and scores["minItems"] == scores["maxItems"] == 2
+    assert scores["items"]["properties"]["trajectory_id"]["enum"] == ["1", "2"]
+    assert scores["items"]["properties"]["explanation"]["maxLength"] == 50
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_any_answer_constrained_to_the_schema_is_valid(tiny_model: Any, seed: int) -> None:
+    """Our server's constraint (llguidance) with random logits, the worst judge there is: every
+    answer it lets through parses, with each id exactly once (the schema before had duplicates)."""
+    import torch
+
+    from art_core.grammar import RowConstraint, json_schema_grammar
+
+    ids = ["1", "2", "3", "4"]
+    tokenizer, vocab = tiny_model.tokenizer, tiny_model.model.config.vocab_size
+    schema = judge_response_schema(ids, explanation_max_chars=24)
+    constraint = RowConstraint(json_schema_grammar(schema, "ruler_scores"), tokenizer, vocab)
+    generator = torch.Generator().manual_seed(seed)
+    eos, tokens = tokenizer.convert_tokens_to_ids("<|im_end|>"), []
+    for _ in range(600):
+        logits = torch.randn(vocab, generator=generator) * 3
+        constraint.mask_(logits)
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+        if token == eos:
+            break
+        constraint.consume(token)
+        tokens.append(token)
+    else:
+        raise AssertionError("the grammar never completed")
+    scores = parse_scores(tokenizer.decode(tokens), ids)
+    assert [s.trajectory_id for s in scores] == ids and all(0 <= s.score <= 1 for s in scores)
 
 
 # -- parse_scores -------------------------------------------------------------------------------
@@ -309,98 +352,10 @@ def test_judge_config_extra_params_are_frozen_copies() -> None:
         config.extra_params["timeout"] = 1  # type: ignore[index]
 
 
-# -- the scripted judge server ------------------------------------------------------------------
-
-
-@dataclass
-class Reply:
-    """One canned answer of the scripted judge: a message, or an HTTP error."""
-
-    content: str = ""
-    status: int = 200
-    finish_reason: str = "stop"
-
-
-@dataclass
-class ScriptedJudge:
-    """What the scripted judge server answers (a queue) and what it was asked (every request body)."""
-
-    url: str = ""
-    replies: deque[Reply] = field(default_factory=deque)
-    requests: list[dict[str, Any]] = field(default_factory=list)
-    reject_response_format: bool = False
-    """Behave like a server without structured outputs: 400 to any request with response_format."""
-    model: str = "scripted"
-    """A name unique to this server, so no test sees another's cached answers."""
-
-    def script(self, *replies: str | Reply) -> None:
-        self.replies.extend(r if isinstance(r, Reply) else Reply(r) for r in replies)
-
-    def app(self) -> FastAPI:
-        app = FastAPI()
-
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request) -> JSONResponse:
-            body = await request.json()
-            self.requests.append(body)
-            if self.reject_response_format and body.get("response_format"):
-                return error(400, "response_format 'json_schema' is not supported", "response_format")
-            if not self.replies:
-                return error(500, "the scripted judge has no answer left", None)
-            reply = self.replies.popleft()
-            if reply.status != 200:
-                return error(reply.status, f"scripted error {reply.status}", None)
-            message = {"role": "assistant", "content": reply.content}
-            choice = {"index": 0, "message": message, "finish_reason": reply.finish_reason}
-            return JSONResponse(
-                {
-                    "id": "chatcmpl-scripted",
-                    "object": "chat.completion",
-                    "created": 0,
-                    "model": body["model"],
-                    "choices": [choice],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-                }
-            )
-
-        return app
-
-
-def error(status: int, message: str, param: str | None) -> JSONResponse:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
-    return JSONResponse(body, status_code=status)
-
-
-_server_numbers = itertools.count()
-
-
-@pytest.fixture
-def scripted_judge_server() -> Iterator[ScriptedJudge]:
-    """A SCRIPTED judge (not a model): a real HTTP server answering from `ScriptedJudge.replies`."""
-    judge = ScriptedJudge(model=f"scripted-{next(_server_numbers)}")
-    handle = serve_in_thread(judge.app())
-    judge.url = handle.url + "/v1"
-    yield judge
-    handle.stop()
-
-
-@pytest.fixture(params=["openai", "litellm"])
-def transport(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-def judge_for(server: ScriptedJudge, transport: str, **settings: Any) -> JudgeConfig:
-    """A JudgeConfig reaching the scripted server through the `openai` client or through LiteLLM."""
-    settings.setdefault("retry_backoff_s", 0.0)
-    if transport == "openai":
-        return JudgeConfig(model=server.model, base_url=server.url, api_key="x", **settings)
-    extra = {"api_base": server.url, "api_key": "x"}
-    return JudgeConfig(model=f"openai/{server.model}", extra_params=extra, **settings)
-
-
 def shown_ids(request: dict[str, Any]) -> list[str]:
     schema = request["response_format"]["json_schema"]["schema"]
-    return list(schema["properties"]["scores"]["items"]["properties"]["trajectory_id"]["enum"])
+    positions = schema["properties"]["scores"]["prefixItems"]
+    return [p["properties"]["trajectory_id"]["const"] for p in positions]
 
 
 async def test_valid_answer_sends_prompt_and_strict_schema(
@@ -408,7 +363,7 @@ async def test_valid_answer_sends_prompt_and_strict_schema(
 ) -> None:
     server = scripted_judge_server
     server.script(GOOD)
-    scores = await ruler(fruit_lists(), judge_for(server, transport))
+    scores = await ruler(fruit_lists(), judge_for(server, transport), config=SAMPLED)
     assert [(s.trajectory_id, s.score) for s in scores] == [("1", 0.9), ("2", 0.1), ("3", 0.5)]
     (request,) = server.requests
     assert request["model"] == server.model
@@ -422,7 +377,9 @@ async def test_shuffled_scores_are_matched_by_id(
     scripted_judge_server: ScriptedJudge, transport: str
 ) -> None:
     scripted_judge_server.script(answer(("2", 0.2), ("3", 0.3), ("1", 0.1)))
-    group = await ruler_score_group(fruit_group(), judge_for(scripted_judge_server, transport))
+    group = await ruler_score_group(
+        fruit_group(), judge_for(scripted_judge_server, transport), config=SAMPLED
+    )
     assert [t.reward for t in group.trajectories] == [0.1, 0.2, 0.3]
     assert [t.logs[-1] for t in group.trajectories] == [
         "RULER score 0.100: why 1",
@@ -437,7 +394,7 @@ async def test_invalid_answer_is_retried_with_the_reason(
     server = scripted_judge_server
     bad = answer(("1", 0.9), ("2", 0.1))  # one score short
     server.script(bad, GOOD)
-    group = await ruler_score_group(fruit_group(), judge_for(server, transport))
+    group = await ruler_score_group(fruit_group(), judge_for(server, transport), config=SAMPLED)
     assert [t.reward for t in group.trajectories] == [0.9, 0.1, 0.5]
     assert group.metrics["ruler_attempts"] == 2 and group.metrics["ruler_errors"] == 0
     assert len(server.requests) == 2
@@ -450,7 +407,7 @@ async def test_invalid_answer_is_retried_with_the_reason(
 async def test_cut_off_answer_says_so(scripted_judge_server: ScriptedJudge) -> None:
     server = scripted_judge_server
     server.script(Reply('{"scores": [{"trajectory_id": "1", "expl', finish_reason="length"), GOOD)
-    await ruler(fruit_lists(), judge_for(server, "openai", max_tokens=16))
+    await ruler(fruit_lists(), judge_for(server, "openai", max_tokens=16), config=SAMPLED)
     assert "cut off at max_tokens=16" in server.requests[1]["messages"][-1]["content"]
 
 
@@ -462,7 +419,7 @@ async def test_always_invalid_raises_with_every_reason(
         "not json", answer(("1", 1.5), ("2", 0.1), ("3", 0.5)), answer(("1", 0.5), ("2", 0.1), ("7", 0.5))
     )
     with pytest.raises(JudgeResponseError) as info:
-        await ruler_score_group(fruit_group(), judge_for(server, transport))
+        await ruler_score_group(fruit_group(), judge_for(server, transport), config=SAMPLED)
     message = str(info.value)
     assert "3 attempt(s)" in message and "attempt 1: invalid JSON" in message
     assert "outside [0, 1]" in message and "unknown trajectory_id '7'" in message
@@ -477,7 +434,9 @@ async def test_always_invalid_is_counted_never_zero(
     server.script(*["{}"] * 3)
     original = fruit_group()
     with caplog.at_level(logging.WARNING, logger="autorl.ruler"):
-        failed = await ruler_score_group(original, judge_for(server, transport), on_error="count")
+        failed = await ruler_score_group(
+            original, judge_for(server, transport), on_error="count", config=SAMPLED
+        )
     assert failed.metrics["ruler_errors"] == 1
     assert all(t.reward is None for t in failed.trajectories)
     assert [t.metrics["independent_reward"] for t in failed.trajectories] == [1.0, 0.0, 0.5]
@@ -489,7 +448,9 @@ async def test_always_invalid_is_counted_never_zero(
     assert [t.reward for t in original.trajectories] == [1.0, 0.0, 0.5]  # the input is untouched
 
     server.script(GOOD)
-    ok = await ruler_score_group(fruit_group(), judge_for(server, transport), on_error="count")
+    ok = await ruler_score_group(
+        fruit_group(), judge_for(server, transport), on_error="count", config=SAMPLED
+    )
     kept, errors = scored_groups([failed, ok])
     assert kept == [ok] and errors == 1
 
@@ -502,19 +463,43 @@ async def test_400_on_response_format_retries_without_it(
     server.script(GOOD, answer(("1", 0.3), ("2", 0.7)))
     config = judge_for(server, transport)
     with caplog.at_level(logging.INFO, logger="autorl.judge"):
-        scores = await ruler(fruit_lists(), config)
+        scores = await ruler(fruit_lists(), config, config=SAMPLED)
     assert [s.score for s in scores] == [0.9, 0.1, 0.5]
-    assert [("response_format" in r) for r in server.requests] == [True, False]
+    # the exact schema, then the fallback schema, then none
+    assert [("prefixItems" in json.dumps(r.get("response_format"))) for r in server.requests] == [
+        True,
+        False,
+        False,
+    ]
+    assert [("response_format" in r) for r in server.requests] == [True, True, False]
     assert any("answered 400 to response_format" in r.getMessage() for r in caplog.records)
     # remembered: the next judgement goes straight without response_format
-    await ruler(fruit_lists()[:2], config)
-    assert [("response_format" in r) for r in server.requests] == [True, False, False]
+    await ruler(fruit_lists()[:2], config, config=SAMPLED)
+    assert [("response_format" in r) for r in server.requests] == [True, True, False, False]
+
+
+async def test_strict_mode_without_prefix_items_gets_the_fallback_schema(
+    scripted_judge_server: ScriptedJudge, transport: str
+) -> None:
+    """Like OpenAI's strict mode: 400 to `prefixItems`, fine with the per-item enum schema."""
+    server = scripted_judge_server
+    server.reject_prefix_items = True
+    server.script(GOOD, answer(("1", 0.3), ("2", 0.7)))
+    config = judge_for(server, transport)
+    assert [s.score for s in await ruler(fruit_lists(), config, config=SAMPLED)] == [0.9, 0.1, 0.5]
+    fallback = response_format(judge_response_fallback_schema(IDS))
+    assert [r.get("response_format") for r in server.requests[1:]] == [fallback]
+    await ruler(fruit_lists()[:2], config, config=SAMPLED)  # remembered: the fallback at once
+    assert server.requests[2]["response_format"] == response_format(
+        judge_response_fallback_schema(["1", "2"])
+    )
+    assert len(server.requests) == 3
 
 
 async def test_transport_errors_are_retried(scripted_judge_server: ScriptedJudge, transport: str) -> None:
     server = scripted_judge_server
     server.script(Reply(status=500), Reply(status=503), GOOD)
-    scores = await ruler(fruit_lists(), judge_for(server, transport))
+    scores = await ruler(fruit_lists(), judge_for(server, transport), config=SAMPLED)
     assert [s.score for s in scores] == [0.9, 0.1, 0.5] and len(server.requests) == 3
 
 
@@ -524,7 +509,7 @@ async def test_unreachable_judge_raises_judge_error(
     server = scripted_judge_server
     server.script(*[Reply(status=500)] * 3)
     with pytest.raises(JudgeError) as info:
-        await ruler(fruit_lists(), judge_for(server, transport))
+        await ruler(fruit_lists(), judge_for(server, transport), config=SAMPLED)
     assert not isinstance(info.value, JudgeResponseError)
     assert "could not be called in 3 attempt(s)" in str(info.value) and len(server.requests) == 3
 
@@ -533,7 +518,7 @@ async def test_auth_error_fails_fast(scripted_judge_server: ScriptedJudge, trans
     server = scripted_judge_server
     server.script(Reply(status=401), GOOD)
     with pytest.raises(JudgeError, match="api_key") as info:
-        await ruler(fruit_lists(), judge_for(server, transport))
+        await ruler(fruit_lists(), judge_for(server, transport), config=SAMPLED)
     assert len(info.value.attempts) == 1 and len(server.requests) == 1
 
 
@@ -543,18 +528,18 @@ async def test_cache_hit_makes_no_request(
     server = scripted_judge_server
     server.script(GOOD)
     config = judge_for(server, transport, cache_dir=tmp_path / "cache")
-    first = await ruler_score_group(fruit_group(), config)
-    again = await ruler_score_group(fruit_group(), config)
+    first = await ruler_score_group(fruit_group(), config, config=SAMPLED)
+    again = await ruler_score_group(fruit_group(), config, config=SAMPLED)
     assert len(server.requests) == 1 and again.metrics["ruler_attempts"] == 0
     assert [t.reward for t in again.trajectories] == [t.reward for t in first.trajectories]
     assert len(list((tmp_path / "cache").glob("*.json"))) == 1
     clear_memory_cache()  # a new process: the answer comes from disk
-    from_disk = await ruler(fruit_lists(), config)
+    from_disk = await ruler(fruit_lists(), config, config=SAMPLED)
     assert [s.score for s in from_disk] == [0.9, 0.1, 0.5] and len(server.requests) == 1
     # another rubric is another prompt; cache=False always asks
     server.script(GOOD, GOOD)
-    await ruler(fruit_lists(), config, rubric="Prefer bananas.")
-    await ruler(fruit_lists(), judge_for(server, transport, cache=False))
+    await ruler(fruit_lists(), config, rubric="Prefer bananas.", config=SAMPLED)
+    await ruler(fruit_lists(), judge_for(server, transport, cache=False), config=SAMPLED)
     assert len(server.requests) == 3
 
 
@@ -562,13 +547,13 @@ async def test_identical_trajectories_are_judged_once(scripted_judge_server: Scr
     server = scripted_judge_server
     same = fruit_lists()[0]
     server.script(answer(("1", 0.8)), answer(("1", 0.9), ("2", 0.2)))
-    scores = await ruler([same, same, same], judge_for(server, "openai"))
+    scores = await ruler([same, same, same], judge_for(server, "openai"), config=SAMPLED)
     assert [(s.trajectory_id, s.score) for s in scores] == [("1", 0.8), ("2", 0.8), ("3", 0.8)]
     assert shown_ids(server.requests[0]) == ["1"]
     assert server.requests[0]["messages"] == build_judge_messages([same])  # no <context>: all of it is shown
     # duplicates among distinct ones: the judge sees each once and they share a score
     other = fruit_lists()[1]
-    scores = await ruler([same, other, same], judge_for(server, "openai"))
+    scores = await ruler([same, other, same], judge_for(server, "openai"), config=SAMPLED)
     assert [s.score for s in scores] == [0.9, 0.2, 0.9] and shown_ids(server.requests[1]) == ["1", "2"]
 
 
@@ -580,7 +565,7 @@ async def test_score_group_keeps_independent_reward(scripted_judge_server: Scrip
     server.script(GOOD)
     original = fruit_group(rewards=(1.0, None, 0.5))
     original.trajectories[0].logs.append("rollout log")
-    scored = await ruler_score_group(original, judge_for(server, "openai"))
+    scored = await ruler_score_group(original, judge_for(server, "openai"), config=SAMPLED)
     assert scored is not original and scored.trajectories[0] is not original.trajectories[0]
     first, second, third = scored.trajectories
     assert first.metrics == {"independent_reward": 1.0, "ruler_score": 0.9} and first.reward == 0.9
@@ -597,7 +582,7 @@ async def test_score_group_shows_the_tools(scripted_judge_server: ScriptedJudge)
     server = scripted_judge_server
     server.script(GOOD)
     group = TrajectoryGroup(Trajectory(messages=m, tools=WEATHER_TOOLS) for m in weather_trajectories())
-    await ruler_score_group(group, judge_for(server, "openai"))
+    await ruler_score_group(group, judge_for(server, "openai"), config=SAMPLED)
     assert server.requests[0]["messages"] == build_judge_messages(weather_trajectories(), tools=WEATHER_TOOLS)
 
 
@@ -605,12 +590,12 @@ async def test_score_group_needs_two_trajectories(scripted_judge_server: Scripte
     config = judge_for(scripted_judge_server, "openai")
     single = TrajectoryGroup([Trajectory(messages=fruit_lists()[0], reward=1.0)])
     with pytest.raises(TooFewTrajectoriesError, match="at least 2"):
-        await ruler_score_group(single, config)
-    counted = await ruler_score_group(single, config, on_error="count")
+        await ruler_score_group(single, config, config=SAMPLED)
+    counted = await ruler_score_group(single, config, on_error="count", config=SAMPLED)
     assert counted.metrics["ruler_errors"] == 1 and counted.trajectories[0].reward is None
     assert "at least 2" in counted.logs[-1] and not scripted_judge_server.requests
     with pytest.raises(ValueError, match="on_error"):
-        await ruler_score_group(single, config, on_error="ignore")  # type: ignore[arg-type]
+        await ruler_score_group(single, config, on_error="ignore", config=SAMPLED)  # type: ignore[arg-type]
 
 
 # -- a real local judge: SmolLM2 on our own server ----------------------------------------------
@@ -657,7 +642,7 @@ async def test_real_local_judge_on_our_server(smollm2: Any, caplog: pytest.LogCa
             model="judge", base_url=handle.url + "/v1", max_tokens=400, cache=False, explanation_max_chars=160
         )
         with caplog.at_level(logging.INFO, logger="autorl.judge"):
-            scores = await ruler(fruit_lists()[:2], config)
+            scores = await ruler(fruit_lists()[:2], config, config=SAMPLED)
     finally:
         handle.stop()
         engine.close()
