@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 SYSTEM_PROMPT = """\
 You are an agent that completes tasks with the tools of the server "{server}".
-Use the tools to find the facts; never guess them. When you are done, call complete_task with your \
-final answer, stating the facts you found. You have at most {max_turns} turns."""
+Look the facts up with the tools; never guess them. Then call complete_task with your final answer, \
+giving the values the tools returned. You have at most {max_turns} turns."""
 
 NUDGE = "Use a tool, or call complete_task with your final answer."
 """The user message after a reply without a tool call (tool_choice "auto" only)."""
@@ -46,10 +46,11 @@ NUDGE = "Use a tool, or call complete_task with your final answer."
 class AgentConfig:
     """How the agent runs."""
 
-    max_turns: int = 4
-    """Chat completions per rollout (`--max-turns`); the rollout ends after the last one."""
-    max_tokens: int = 96
-    """Tokens per turn."""
+    max_turns: int = 3
+    """Chat completions per rollout (`--max-turns`); the rollout ends after the last one. 3 fits a
+    look-up, an action and complete_task, and keeps SmolLM2 on CPU inside the time budget."""
+    max_tokens: int = 64
+    """Tokens per turn (one constrained tool call; see `max_string_chars`)."""
     temperature: float = 1.0
     """Sampling temperature (1.0 while training: the logprobs are those of the sampled policy)."""
     tool_choice: str = "required"
@@ -57,7 +58,7 @@ class AgentConfig:
     the model may answer in prose; a tool's name: every turn calls that tool (for probes and tests)."""
     system_prompt: str = SYSTEM_PROMPT
     """`{server}` and `{max_turns}` are filled in."""
-    max_string_chars: int | None = 200
+    max_string_chars: int | None = 100
     """`maxLength` given to string arguments that have none, in the tools offered to the model, so a
     constrained tool call always closes within `max_tokens` (None: schemas as the server gave them)."""
 

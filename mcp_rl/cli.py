@@ -168,7 +168,9 @@ def _show(event: str, data: dict[str, Any]) -> None:
     elif event == "step":
         reward = "n/a" if data["reward"] is None else f"{data['reward']:.3f}"
         console.print(
-            f"step {data['step']}: reward {reward}, trained {data['trained']}, server failures {data['server_failures']}, {data['seconds']:.0f} s"
+            f"step {data['step']}: reward {reward}, trained {data['trained']}, groups scored "
+            f"{data['groups_scored']}/{data['groups']}, judge errors {data['judge_errors']}, "
+            f"server failures so far {data['server_failures']}, {data['step_s']:.0f} s"
         )
 
 
@@ -179,18 +181,18 @@ def train(
     model: Model = "smollm2-135m",
     judge: Judge = "local",
     generator: Generator = "local",
-    steps: Annotated[int, typer.Option("--steps", help="Training steps in all (a resumed run continues up to this many).")] = 8,
+    steps: Annotated[int, typer.Option("--steps", help="Training steps in all (a resumed run continues up to this many).")] = 5,
     group_size: Annotated[int, typer.Option("--group-size", help="Rollouts per scenario, compared with each other by GRPO.")] = 4,
     groups_per_step: Annotated[int, typer.Option("--groups-per-step", help="Scenarios per training step.")] = 2,
     scenarios: Scenarios = None,
     n_scenarios: NScenarios = 16,
-    max_turns: MaxTurns = 4,
+    max_turns: MaxTurns = 3,
     isolation: Isolation = "per-rollout",
     tool_timeout: ToolTimeout = 30.0,
     max_tool_output: MaxOutput = 4000,
-    learning_rate: Annotated[float, typer.Option("--learning-rate", help="LoRA learning rate.")] = 3e-4,
+    learning_rate: Annotated[float, typer.Option("--learning-rate", help="LoRA learning rate.")] = 1e-3,
     val_rollouts: Annotated[int, typer.Option("--val-rollouts", help="Rollouts per validation scenario, before and after.")] = 2,
-    check_weight: Annotated[float, typer.Option("--check-weight", help="Weight of a scenario's check vs RULER in the reward (> 0.5: a passing answer always outranks a failing one).")] = 0.7,
+    check_weight: Annotated[float, typer.Option("--check-weight", help="Weight of a scenario's shaped check vs RULER in the reward (> 2/3: a passing answer always outranks a failing one; see mcp_rl.rewards).")] = 0.7,
     name: Annotated[str, typer.Option("--name", help="The trained model's name (resumes if it exists under OUT).")] = "agent",
     out: Out = Path("mcp-rl-out"),
     as_json: AsJson = False,
@@ -232,7 +234,7 @@ def scenarios_command(
     val_fraction: Annotated[float, typer.Option("--val-fraction", help="Share held out for validation.")] = 0.25,
     attempts: Annotated[int, typer.Option("--attempts", help="Attempts per scenario in the solvability filter (0: skip).")] = 2,
     drop_unsolvable: Annotated[bool, typer.Option("--drop-unsolvable", help="Drop scenarios no attempt solved (default: keep them, marked solvable=false).")] = False,
-    max_turns: MaxTurns = 4,
+    max_turns: MaxTurns = 3,
     output: Annotated[Path, typer.Option("--output", help="The scenario JSONL to write (pass it to train --scenarios).")] = Path("scenarios.jsonl"),
 ) -> None:  # fmt: skip
     """Only write scenarios: generated from the server's tools, de-duplicated, checked, split."""

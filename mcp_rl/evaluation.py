@@ -1,11 +1,12 @@
 """Before/after on the validation scenarios: success rate, head-to-head, per-tool calls and errors, turns.
 
 `evaluate` runs each scenario `rollouts` times with one served model name (`name@0`: the starting
-model; `name`: the trained one) and summarises. `head_to_head` asks RULER to compare the trained
-model's trajectory with the starting model's on each scenario, in both orders to cancel position
-bias: a win needs both orders to prefer the trained one, a loss both to prefer the baseline,
-anything else is a tie; judge failures are counted, never scored. Thin adapter for the contract's
-`autorl.head_to_head` (not on branch `autorl` yet); it uses `autorl.ruler.ruler`.
+model; `name`: the trained one) and summarises. `head_to_head` hands the trained model's and the
+starting model's trajectory of each scenario to `autorl.head_to_head` (RULER in both orders, ties
+and split verdicts count half, a Wilson interval, judge failures counted and never scored): the
+prompt is the system prompt and the task, each answer the messages that followed (tool calls and
+results included). The judge sees the tool calls but not the tool schemas there: autorl's
+head-to-head takes no `tools` yet.
 
 `check_solvable` is the solvability filter: a scenario is solvable when one of `attempts`
 rollouts with the real tools completes it (passes its check; without a check, ends with
@@ -24,8 +25,9 @@ from typing import Any
 from art_core import gather_trajectories
 from art_core.model import TrainableModel
 from art_core.types import Trajectory
-from autorl.judge import JudgeConfig, JudgeError
-from autorl.ruler import ruler
+from autorl.head_to_head import HeadToHead
+from autorl.head_to_head import head_to_head as shared_head_to_head
+from autorl.judge import JudgeConfig
 from mcp_rl.agent import AgentConfig, run_agent
 from mcp_rl.catalog import ServerCatalog
 from mcp_rl.rewards import RUBRIC
@@ -153,43 +155,20 @@ async def check_solvable(
     return [replace(s, solvable=any(_succeeded(s, t) for t in by_id[s.id])) for s in scenarios]
 
 
-@dataclass(frozen=True)
-class HeadToHead:
-    wins: int
-    losses: int
-    ties: int
-    judge_errors: int
-    win_rate: float | None
-    """(wins + ties / 2) / judged pairs; None when no pair could be judged."""
-
-
 async def head_to_head(
-    pairs: Sequence[tuple[Trajectory, Trajectory]],
-    judge: JudgeConfig | str,
-    *,
-    tools: list[dict[str, Any]] | None = None,
-    margin: float = 0.05,
+    pairs: Sequence[tuple[Trajectory, Trajectory]], judge: JudgeConfig | str
 ) -> HeadToHead:
-    """Trained vs baseline on each (trained, baseline) pair, judged by RULER in both orders."""
-    wins = losses = ties = errors = 0
-    for trained, baseline in pairs:
-        try:
-            first = await ruler([trained.messages, baseline.messages], judge, RUBRIC, tools)
-            second = await ruler([baseline.messages, trained.messages], judge, RUBRIC, tools)
-        except JudgeError as exc:
-            logger.warning("head-to-head judge failed: %s", exc)
-            errors += 1
-            continue
-        a = first[0].score - first[1].score
-        b = second[1].score - second[0].score
-        if a > margin and b > margin:
-            wins += 1
-        elif a < -margin and b < -margin:
-            losses += 1
-        else:
-            ties += 1
-    judged = wins + losses + ties
-    return HeadToHead(wins, losses, ties, errors, (wins + ties / 2) / judged if judged else None)
+    """Trained vs baseline on each (trained, baseline) pair of one scenario (module docstring)."""
+    prompts = [trained.messages[:2] for trained, _ in pairs]
+    if any(baseline.messages[:2] != prompt for (_, baseline), prompt in zip(pairs, prompts, strict=True)):
+        raise ValueError("head_to_head pairs must share their system prompt and task")
+    return await shared_head_to_head(
+        prompts,
+        [trained.messages[2:] for trained, _ in pairs],
+        [baseline.messages[2:] for _, baseline in pairs],
+        judge=judge,
+        rubric=RUBRIC,
+    )
 
 
 __all__ = ["EvalResult", "HeadToHead", "check_solvable", "evaluate", "head_to_head", "tool_stats"]

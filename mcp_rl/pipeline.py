@@ -2,18 +2,14 @@
 
 Everything lands under `out/`: `server.log` (server stderr), `scenarios.jsonl` (unless
 `--scenarios` names the file), the model (`out/mcp-rl/models/<name>/`: checkpoints and the
-backend's history), `steps.jsonl` (one line per step of this pipeline), `reward.png`,
-`report.md` and `summary.json`. Running the same command again resumes at the model's step,
-with the data position that step implies (`iterate_dataset(initial_step=...)`).
-
-Thin adapter: the contract's `autorl/loop.py` (training loop with resume) does not exist yet on
-branch `autorl`; `run_steps` below follows its shape (caller-supplied rollout and score,
-groups_per_step x group_size, per-step history) and should be replaced by it.
+backend's history), `history.jsonl` and `loop.json` (autorl's training loop: one record per
+step, and the data position), `reward.png`, `report.md` and `summary.json`. The steps are
+autorl's `train_loop` with an MCP rollout (`run_agent`) and an MCP scorer (`score_group`: the
+shaped check plus RULER); running the same command again resumes at the model's step.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -21,17 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from art_core import TrainConfig, TrajectoryGroup, gather_trajectory_groups, iterate_dataset
+from art_core import TrainConfig, TrajectoryGroup
 from art_core.backends import LocalBackend
 from art_core.model import TrainableModel
 from art_core.types import Trajectory
+from autorl.head_to_head import HeadToHead
 from autorl.judge import JudgeConfig
+from autorl.loop import LoopConfig, train_loop
 from mcp_rl.agent import AgentConfig, run_agent
 from mcp_rl.catalog import ServerCatalog, read_catalog
 from mcp_rl.connection import ServerConnection
 from mcp_rl.evaluation import EvalResult, check_solvable, evaluate, head_to_head
 from mcp_rl.generation import generate_scenarios
-from mcp_rl.rewards import score_group, split_failed, trainable
+from mcp_rl.rewards import score_group, split_failed
 from mcp_rl.scenarios import Scenario, load_scenarios, save_scenarios, split_of
 from mcp_rl.server_spec import Isolation, ServerSpec
 from mcp_rl.servers import ServerPool
@@ -67,14 +65,16 @@ class RunConfig:
     """Share of generated scenarios held out for validation."""
     solvability_attempts: int = 2
     """Attempts per generated scenario in the solvability filter (0: skip it)."""
-    steps: int = 8
-    """Training steps in all (a resumed run continues up to this step)."""
+    steps: int = 5
+    """Training steps in all (a resumed run continues up to this step). The defaults (5 steps of
+    2 x 4 rollouts, 2 validation rollouts per scenario) are sized for SmolLM2-135M on a 2-core CPU
+    in about 15 minutes (docs/benchmarks.md)."""
     groups_per_step: int = 2
     """Scenarios per step."""
     group_size: int = 4
     """Rollouts per scenario; GRPO compares them with each other."""
-    learning_rate: float = 3e-4
-    """LoRA learning rate."""
+    learning_rate: float = 1e-3
+    """LoRA learning rate (high, because the default run has only a few steps)."""
     lora_rank: int = 16
     """LoRA rank."""
     check_weight: float = 0.7
@@ -172,80 +172,64 @@ async def prepare_scenarios_only(config: RunConfig, *, drop_unsolvable: bool = F
 
 
 @dataclass
-class StepRecord:
-    step: int
-    reward: float | None
-    trained: bool
-    groups: int
-    server_failures: int
-    ruler_errors: int
-    exceptions: int
-    tool_errors: int
-    seconds: float
+class StepCounts:
+    """What the MCP scorer saw during this run's training steps (autorl's history holds the rest)."""
+
+    server_failures: int = 0
+    """Rollouts whose server crashed or hung (taken out of their group, not trained on)."""
+    tool_errors: int = 0
+    """Tool calls that came back as errors, over the scored rollouts."""
+    check_only: int = 0
+    """Checkable groups scored by the check alone because RULER failed on them."""
+    too_small: int = 0
+    """Groups left with fewer than 2 rollouts after server failures (not scored, not trained)."""
 
 
-async def run_step(
-    config: RunConfig, model: TrainableModel, catalog: ServerCatalog, pool: ServerPool,
-    batch: list[Scenario], judge: JudgeConfig | None, step: int,
-) -> StepRecord:  # fmt: skip
-    """One GRPO step: gather groups, drop failed rollouts, score, train; a record of what happened."""
-    started = time.perf_counter()
-    groups = await gather_trajectory_groups(
-        (TrajectoryGroup(run_agent(model, s, catalog, pool, agent=config.agent, tool_config=config.tools) for _ in range(config.group_size)) for s in batch),
-        pbar=False, max_exceptions=0.5,
-    )  # fmt: skip
-    scored: list[TrajectoryGroup] = []
-    failures = ruler_errors = tool_errors = 0
-    for scenario, group in zip(batch, groups, strict=True):
+def mcp_scorer(
+    config: RunConfig, scenarios: list[Scenario], judge: JudgeConfig | None, counts: StepCounts
+) -> Callable[[TrajectoryGroup], Any]:
+    """The loop's `score(group)`: failed rollouts out, then the shaped check plus RULER (mcp_rl.rewards)."""
+    by_id = {s.id: s for s in scenarios}
+
+    async def score(group: TrajectoryGroup) -> TrajectoryGroup:
         kept, failed = split_failed(group)
-        failures += len(failed)
-        tool_errors += sum(int(t.metrics.get("tool_errors", 0)) for t in group.trajectories)
+        counts.server_failures += len(failed)
+        counts.tool_errors += sum(int(t.metrics.get("tool_errors", 0)) for t in group.trajectories)
         if len(kept.trajectories) < 2:
-            continue
-        result = await score_group(kept, scenario, judge, check_weight=config.check_weight)
-        ruler_errors += int(result.metrics.get("ruler_errors", 0))
-        if trainable(result):
-            scored.append(result)
-    rewards = [t.checked_reward() for g in scored for t in g.trajectories]
-    trained = False
-    if scored:
-        result_ = await model.train(scored, config=TrainConfig(learning_rate=config.learning_rate))
-        trained = result_.trained
-    else:
-        logger.warning(
-            "step %d: no group could be scored (failures %d, RULER errors %d); nothing trained",
-            step,
-            failures,
-            ruler_errors,
-        )
-    return StepRecord(
-        step=step, reward=sum(rewards) / len(rewards) if rewards else None, trained=trained, groups=len(scored),
-        server_failures=failures, ruler_errors=ruler_errors, exceptions=sum(len(g.exceptions) for g in groups),
-        tool_errors=tool_errors, seconds=time.perf_counter() - started,
-    )  # fmt: skip
+            counts.too_small += int(bool(group.trajectories))
+            return kept  # rewards stay unset: the loop leaves the group out
+        scenario = by_id[str(kept.trajectories[0].metadata["scenario_id"])]
+        scored = await score_group(kept, scenario, judge, check_weight=config.check_weight)
+        counts.check_only += int(scored.metrics.get("check_only", 0))
+        return scored
+
+    return score
 
 
 async def run_steps(
     config: RunConfig, model: TrainableModel, catalog: ServerCatalog, pool: ServerPool,
     train: list[Scenario], judge: JudgeConfig | None, on_event: StepCallback | None,
-) -> list[StepRecord]:  # fmt: skip
-    """The training loop, resuming at the model's step; each record is appended to `steps.jsonl`."""
-    start = await model.get_step()
-    records = []
-    history = config.out / "steps.jsonl"
-    batches = iterate_dataset(
-        train, groups_per_step=config.groups_per_step, num_epochs=10**6, initial_step=start, seed=config.seed
-    )
-    for batch in batches:
-        if batch.step >= config.steps:
-            break
-        record = await run_step(config, model, catalog, pool, list(batch.items), judge, batch.step + 1)
-        records.append(record)
-        with history.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record.__dict__) + "\n")
+) -> tuple[list[dict[str, Any]], StepCounts]:  # fmt: skip
+    """autorl's training loop over the train scenarios (resumes at the model's step); its history and
+    this run's MCP counts."""
+    counts = StepCounts()
+
+    async def rollout(scenario: Scenario) -> Trajectory:
+        return await run_agent(model, scenario, catalog, pool, agent=config.agent, tool_config=config.tools)
+
+    def on_step(record: dict[str, Any]) -> None:
         if on_event:
-            on_event("step", record.__dict__)
-    return records
+            on_event("step", {**record, "server_failures": counts.server_failures})
+
+    loop = LoopConfig(
+        steps=config.steps, groups_per_step=config.groups_per_step, group_size=config.group_size,
+        seed=config.seed, train=TrainConfig(learning_rate=config.learning_rate),
+    )  # fmt: skip
+    history = await train_loop(
+        model, train, rollout=rollout, score=mcp_scorer(config, train, judge, counts), config=loop,
+        state_dir=config.out, item_id=lambda s: s.id, on_step=on_step,
+    )  # fmt: skip
+    return history, counts
 
 
 async def _evaluate(
@@ -274,12 +258,6 @@ def _pairs(after: EvalResult, before: EvalResult) -> list[tuple[Trajectory, Traj
         for sid, a in after.trajectories.items()
         if a and before.trajectories.get(sid)
     ]
-
-
-def load_history(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 async def run(config: RunConfig, on_event: StepCallback | None = None) -> dict[str, Any]:
@@ -317,44 +295,61 @@ async def run(config: RunConfig, on_event: StepCallback | None = None) -> dict[s
         )  # type: ignore[arg-type]
         if on_event and before:
             on_event("eval", {"when": "before", **before.summary()})
-        records = await run_steps(config, model, catalog, pool, train, judge, on_event)
+        history, counts = await run_steps(config, model, catalog, pool, train, judge, on_event)
         after = (
             await _evaluate(config, model, val, catalog, pool, model.get_inference_name()) if val else None
         )  # type: ignore[arg-type]
         if on_event and after:
             on_event("eval", {"when": "after", **after.summary()})
-        duel = (
-            await head_to_head(_pairs(after, before), judge, tools=catalog.agent_tools())
-            if judge and before and after
-            else None
-        )
+        duel = await head_to_head(_pairs(after, before), judge) if judge and before and after else None
     finally:
         await pool.close()
         await backend.close()
-    history = load_history(config.out / "steps.jsonl")
+    summary = summarise(config, train, val, history, before, after, duel, counts, pool.stats.restarts)
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    details = {"before": before.summary() if before else None, "after": after.summary() if after else None,
+               "head_to_head": duel.__dict__ if duel else None, "pool": pool.stats.__dict__,
+               "training": counts.__dict__}  # fmt: skip
+    write_report(config.out, summary, details, history, examples=_examples(after, before))
+    if on_event:
+        on_event("done", summary)
+    return summary
+
+
+def summarise(
+    config: RunConfig, train: list[Scenario], val: list[Scenario], history: list[dict[str, Any]],
+    before: EvalResult | None, after: EvalResult | None, duel: HeadToHead | None, counts: StepCounts,
+    restarts: int,
+) -> dict[str, Any]:  # fmt: skip
+    """The `--json` summary (the issue's 12 keys, null where a figure does not apply); pure."""
     rewards = [h["reward"] for h in history if h.get("reward") is not None]
     window = max(1, min(3, len(rewards)))
-    summary = {
+    eval_errors = sum(int(c["errors"]) for e in (before, after) if e for c in e.tools.values())
+    return {
         "server": config.server.describe(),
         "scenarios_train": len(train),
         "scenarios_val": len(val),
         "steps": len(history),
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": None,
         "first_reward": sum(rewards[:window]) / window if rewards else None,
         "last_reward": sum(rewards[-window:]) / window if rewards else None,
         "val_success_before": before.success_rate if before else None,
         "val_success_after": after.success_rate if after else None,
         "win_rate": duel.win_rate if duel else None,
-        "tool_errors": sum(h["tool_errors"] for h in history)
-        + sum(int(c["errors"]) for e in (before, after) if e for c in e.tools.values()),
-        "server_restarts": pool.stats.restarts,
+        "tool_errors": counts.tool_errors + eval_errors,
+        "server_restarts": restarts,
     }
-    details = {"before": before.summary() if before else None, "after": after.summary() if after else None,
-               "head_to_head": duel.__dict__ if duel else None, "pool": pool.stats.__dict__, "this_run_steps": len(records)}  # fmt: skip
-    write_report(config.out, summary, details, history)
-    if on_event:
-        on_event("done", summary)
-    return summary
+
+
+def _examples(after: EvalResult | None, before: EvalResult | None) -> list[dict[str, str]]:
+    """Validation answers side by side for the report: task, trained answer, starting answer."""
+    if after is None or before is None:
+        return []
+    return [
+        {"input": str(t.messages[1].get("content")), "trained": str(t.metadata.get("answer")),
+         "baseline": str(before.trajectories[sid][0].metadata.get("answer"))}
+        for sid, (t, *_) in after.trajectories.items() if before.trajectories.get(sid)
+    ][:6]  # fmt: skip
 
 
 __all__ = [
@@ -365,6 +360,7 @@ __all__ = [
     "prepare_scenarios_only",
     "read_server",
     "run",
-    "run_step",
+    "mcp_scorer",
     "run_steps",
+    "summarise",
 ]

@@ -91,6 +91,11 @@ def _number(text: str) -> float | None:
         return None
 
 
+def numbers_in(text: str) -> list[float]:
+    """Every number written in `text` ("1,200" is 1200); pure."""
+    return [v for v in (_number(m) for m in _NUMBER.findall(text)) if v is not None]
+
+
 def _normal(text: str) -> str:
     return " ".join(text.casefold().split())
 
@@ -104,8 +109,7 @@ def check_answer(scenario: Scenario, answer: str | None) -> bool | None:
     if scenario.check == "number":
         want = _number(scenario.expected)
         assert want is not None  # validated in __post_init__
-        found = (_number(m) for m in _NUMBER.findall(answer))
-        return any(v is not None and math.isclose(v, want, rel_tol=1e-6, abs_tol=1e-9) for v in found)
+        return any(math.isclose(v, want, rel_tol=1e-6, abs_tol=1e-9) for v in numbers_in(answer))
     if scenario.check == "exact":
         return _normal(answer).strip(" .") == _normal(scenario.expected).strip(" .")
     return _normal(scenario.expected) in _normal(answer)
@@ -171,6 +175,7 @@ __all__ = [
     "ScenarioFileError",
     "check_answer",
     "load_scenarios",
+    "numbers_in",
     "save_scenarios",
     "scenario_from_dict",
     "split_of",

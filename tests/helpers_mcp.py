@@ -16,7 +16,7 @@ from mcp_rl.server_spec import ServerSpec
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_SERVER = ROOT / "examples" / "mcp" / "server.py"
 EXAMPLE_SCENARIOS = ROOT / "examples" / "mcp" / "scenarios.jsonl"
-FAULT_SERVER = ROOT / "tests" / "mcp_fault_server.py"
+FAULT_SERVER = ROOT / "tests" / "mcp_rl" / "fault_server.py"
 
 
 def example_spec(**kwargs: object) -> ServerSpec:

@@ -1,6 +1,6 @@
 """An MCP server (the SDK's MCPServer, stdio or HTTP) whose tools misbehave on purpose, for the fault tests.
 
-python tests/mcp_fault_server.py [--die-at-start] [--http --port P]
+python tests/mcp_rl/fault_server.py [--die-at-start] [--http --port P]
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Scenario files (load, save, checks), generation helpers, and generation through our own server."""
+"""Scenario files (load, save, checks), generation (autorl.inputs underneath) through our own server,
+and the shaped check reward."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ from pathlib import Path
 import pytest
 
 from art_core.model import TrainableModel
+from art_core.types import Trajectory, TrajectoryGroup
+from autorl.inputs import TooFewInputsError, assign_splits, dedupe
 from mcp_rl.catalog import ServerCatalog, openai_tool
-from mcp_rl.generation import TooFewScenariosError, assign_splits, dedupe, generate_scenarios, names_a_tool
+from mcp_rl.generation import TooFewScenariosError, generate_scenarios, names_a_tool
 from mcp_rl.pipeline import endpoint
+from mcp_rl.rewards import MAX_PARTIAL, PARTS, check_credit, credit_parts, score_group
 from mcp_rl.scenarios import Scenario, ScenarioFileError, check_answer, load_scenarios, save_scenarios
 from tests.helpers_mcp import EXAMPLE_SCENARIOS
 from tests.helpers_serving import served_fixture
@@ -85,8 +89,57 @@ async def test_generation_through_our_server_gives_valid_scenarios_or_says_why(m
     try:
         scenarios = await generate_scenarios(CATALOG, 4, generator, batch_size=4, max_calls=2)
     except TooFewScenariosError as exc:
-        assert "usable scenarios of the 4 asked for in 2 calls" in str(exc) and "--scenarios" in str(exc)
+        assert isinstance(exc, TooFewInputsError) and "--scenarios" in str(exc)
+        assert "2 generator calls" in str(exc) or "usable scenarios of the 4 asked for in 2 calls" in str(exc)
         return
     assert len(scenarios) == 4 and len({s.task for s in scenarios}) == 4
     assert all(1 <= s.difficulty <= 5 and not names_a_tool(s.task, CATALOG.tool_names) for s in scenarios)
     assert {s.split for s in scenarios} == {"train", "val"}
+
+
+def _rollout(answer: str | None, *results: str) -> Trajectory:
+    messages: list[dict[str, object]] = [{"role": "user", "content": "How many kiwis are in stock?"}]
+    for n, result in enumerate(results):
+        call = {"id": f"c{n}", "type": "function", "function": {"name": "stock_level", "arguments": "{}"}}
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call]}]
+        messages += [{"role": "tool", "tool_call_id": f"c{n}", "content": result}]
+    if answer is not None:
+        messages.append({"role": "tool", "tool_call_id": "done", "content": "Task complete."})
+    return Trajectory(messages=messages, metadata={"scenario_id": KIWIS.id, "answer": answer})
+
+
+KIWIS = Scenario(id="v01", task="How many kiwis are in stock?", expected="9", check="number")
+
+
+def test_the_shaped_check_orders_progress_and_a_pass_always_wins() -> None:
+    ladder = [
+        _rollout(None),  # never finished
+        _rollout("I do not know"),  # finished, no number
+        _rollout("I do not know", "Error: unknown product 'kiwi s'"),  # a failed call earns nothing more
+        _rollout("There are 40", "12"),  # a tool result, a number far off
+        _rollout("There are 8", "12"),  # a closer number
+        _rollout("There are 8", "9"),  # looked up the right fact, answered near it
+        _rollout("There are 9 kiwis", "9"),  # passes
+    ]
+    credits = [check_credit(KIWIS, t) for t in ladder]
+    assert credits[0] == 0.0 and credits[1] == pytest.approx(PARTS["completed"])
+    assert credits[2] == credits[1]
+    assert all(
+        a is not None and b is not None and a < b for a, b in zip(credits[2:], credits[3:], strict=False)
+    )
+    assert credits[-1] == 1.0 and max(c for c in credits[:-1] if c is not None) <= MAX_PARTIAL
+    weight = 0.7  # the default: a pass with RULER 0 beats any failure with RULER 1
+    assert weight * 1.0 > weight * MAX_PARTIAL + (1 - weight)
+    assert check_credit(Scenario(id="open", task="Describe the stock."), ladder[-1]) is None
+    word = Scenario(id="w", task="Which fruit is cheapest?", expected="kiwis", check="contains")
+    assert credit_parts(word, "apples", ["kiwis: 0.75"]) == pytest.approx(
+        {"completed": 0.10, "tool_ok": 0.10, "found": 0.10, "typed": 0.05, "close": 0.0}
+    )
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_check_only_scoring_gives_each_rollout_its_credit() -> None:
+    group = TrajectoryGroup([_rollout("There are 40", "12"), _rollout("There are 9", "9")])
+    scored = await score_group(group, KIWIS, None)
+    assert [t.reward for t in scored.trajectories] == [check_credit(KIWIS, t) for t in group.trajectories]
+    assert [t.metrics["success"] for t in scored.trajectories] == [False, True]
