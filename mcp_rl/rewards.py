@@ -15,6 +15,10 @@ for the steps that lead to a passing answer, which a small model reaches long be
 | `typed`     | 0.05   | the answer is of the expected kind (holds a number, for a "number" check) |
 | `close`     | 0.15   | "number" checks: 0.15 * max(0, 1 - |answer - expected| / max(|expected|, 1)), nearest number |
 
+`typed` and `close` count only after a successful tool call: in the first measured run (without
+that gate) SmolLM2 learned to skip the look-ups and end at once with some number, which earned the
+answer-form credit more cheaply (docs/benchmarks.md).
+
 The partial credit is at most `MAX_PARTIAL` = 0.5, so with `check_weight` > 2/3 (default 0.7) a
 passing answer always outranks a failing one whatever RULER says (0.7 * 1 > 0.7 * 0.5 + 0.3);
 RULER orders the trajectories within each class. `--judge none` scores by the credit alone (every
@@ -93,7 +97,7 @@ def credit_parts(scenario: Scenario, answer: str | None, results: list[str]) -> 
         "typed": 0.0,
         "close": 0.0,
     }
-    if answer and answer.strip():
+    if answer and answer.strip() and results:
         if scenario.check == "number":
             expected = numbers_in(scenario.expected)[0]
             parts["typed"] = float(bool(numbers_in(answer)))

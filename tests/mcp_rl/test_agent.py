@@ -168,19 +168,25 @@ def test_mcp_rl_cli_dies_at_start_is_a_clear_error(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_mcp_rl_train_cli_smoke_on_smollm2(tmp_path: Path) -> None:
-    """`mcp-rl train` with SmolLM2 and its defaults but tiny sizes (1 step, a group of 2, one validation
-    rollout each, the local weighted RULER judge): it scores, trains and judges the head-to-head."""
+    """`mcp-rl train` with SmolLM2 and its defaults at tiny sizes (one train and one validation
+    scenario, 1 step, a group of 2, the local judge in RULER's weighted mode): it scores with the
+    judge, trains, and judges the head-to-head."""
     out = tmp_path / "run"
+    lines = EXAMPLE_SCENARIOS.read_text().splitlines()
+    scenarios = tmp_path / "two.jsonl"
+    scenarios.write_text(
+        "\n".join([lines[0], next(line for line in lines if '"split": "val"' in line)]) + "\n"
+    )
     command = [
         sys.executable, "-m", "mcp_rl.cli", "train", "--server", f"{sys.executable} {EXAMPLE_SERVER}",
-        "--steps", "1", "--group-size", "2", "--groups-per-step", "1", "--val-rollouts", "1",
-        "--scenarios", str(EXAMPLE_SCENARIOS), "--out", str(out), "--json",
+        "--steps", "1", "--group-size", "2", "--groups-per-step", "1", "--val-rollouts", "1", "--max-turns", "2",
+        "--scenarios", str(scenarios), "--out", str(out), "--json",
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["steps"] == 1 and summary["first_reward"] is not None
-    assert summary["win_rate"] is None or 0.0 <= summary["win_rate"] <= 1.0
+    assert (summary["scenarios_train"], summary["scenarios_val"], summary["steps"]) == (1, 1, 1)
+    assert summary["first_reward"] is not None and summary["win_rate"] is not None
     (record,) = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert record["groups_scored"] == 1 and record["judge_errors"] == 0 and record["judge_calls"] >= 1
     assert (out / "reward.png").exists() and "validation success rate" in (out / "report.md").read_text()

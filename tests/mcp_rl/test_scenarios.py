@@ -130,6 +130,7 @@ def test_the_shaped_check_orders_progress_and_a_pass_always_wins() -> None:
     assert credits[-1] == 1.0 and max(c for c in credits[:-1] if c is not None) <= MAX_PARTIAL
     weight = 0.7  # the default: a pass with RULER 0 beats any failure with RULER 1
     assert weight * 1.0 > weight * MAX_PARTIAL + (1 - weight)
+    assert check_credit(KIWIS, _rollout("There are 9.5")) == credits[1]  # no look-up: no answer-form credit
     assert check_credit(Scenario(id="open", task="Describe the stock."), ladder[-1]) is None
     word = Scenario(id="w", task="Which fruit is cheapest?", expected="kiwis", check="contains")
     assert credit_parts(word, "apples", ["kiwis: 0.75"]) == pytest.approx(
