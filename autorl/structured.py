@@ -139,7 +139,7 @@ async def _send(
     from autorl import judge
 
     send = judge._send_openai if config.base_url else judge._send_litellm
-    return await send(config, messages, {} if fmt is None else {"response_format": fmt})
+    return await send(config, messages, judge._request_params(fmt, None))
 
 
 async def _call(

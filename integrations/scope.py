@@ -89,6 +89,8 @@ class RolloutScope:
         """Copied into the trajectory's metrics on exit."""
         self.metadata: dict[str, str | int | float | bool | None] = {}
         """Copied into the trajectory's metadata on exit (beside `rollout_id`)."""
+        self.logs: list[str] = []
+        """Copied into the trajectory's logs on exit (e.g. the MCP door's tool-call lines)."""
         self.records: list[CallRecord] = []
         """What the server recorded, once the scope has exited."""
         self._trajectory: Trajectory | None = None
@@ -213,6 +215,7 @@ class RolloutScope:
             "reward": self.reward,
             "metrics": dict(self.metrics),
             "metadata": {"rollout_id": self.id, **self.metadata},
+            "logs": list(self.logs),
         }
         if returned is None:
             if not self.records:
@@ -231,6 +234,7 @@ class RolloutScope:
             returned.reward = fields["reward"]
         returned.metrics = {**fields["metrics"], **returned.metrics}
         returned.metadata = {**fields["metadata"], **returned.metadata}
+        returned.logs = [*fields["logs"], *returned.logs]
         if returned.turns:
             return returned
         if not self.records:

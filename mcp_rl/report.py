@@ -1,0 +1,84 @@
+"""The run's report: autorl's `reward.png` and `report.md`, with MCP's figures as notes, and `summary.json`.
+
+The PNG, the per-step table, the head-to-head headline and the validation answers are autorl's
+(`autorl.report.write_report`); this module only says what MCP adds: the success rate where
+checkable, completion, turns, and calls and error rate per tool, before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from autorl.report import write_report as write_shared_report
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def mcp_notes(summary: Mapping[str, Any], details: Mapping[str, Any]) -> list[str]:
+    """The report's MCP lines: validation before/after, per-tool calls and error rates; pure."""
+    before, after = details.get("before") or {}, details.get("after") or {}
+    notes = [
+        f"server: `{summary['server']}`; server restarts {summary['server_restarts']}, "
+        f"tool errors {summary['tool_errors']}",
+        f"validation success rate (checkable scenarios): before {_fmt(summary['val_success_before'])}, "
+        f"after {_fmt(summary['val_success_after'])}",
+        f"validation rollouts ending with complete_task: before {_fmt(before.get('completed_rate'))}, "
+        f"after {_fmt(after.get('completed_rate'))}; mean turns: before {_fmt(before.get('mean_turns'))}, "
+        f"after {_fmt(after.get('mean_turns'))}",
+        "the reward is the shaped check and RULER combined (mcp_rl.rewards), not RULER alone",
+    ]
+    tools = sorted({*(before.get("tools") or {}), *(after.get("tools") or {})})
+    for tool in tools:
+        b, a = (before.get("tools") or {}).get(tool, {}), (after.get("tools") or {}).get(tool, {})
+        notes.append(
+            f"tool `{tool}`: calls {_fmt(b.get('calls'))} -> {_fmt(a.get('calls'))}, error rate "
+            f"{_fmt(b.get('error_rate'))} -> {_fmt(a.get('error_rate'))} (before -> after)"
+        )
+    return notes
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_report(
+    out: Path,
+    summary: Mapping[str, Any],
+    details: Mapping[str, Any],
+    history: Sequence[Mapping[str, Any]],
+    *,
+    examples: Sequence[Mapping[str, str]] = (),
+) -> Path:
+    """Write `summary.json`, `reward.png` (when a step has a reward) and `report.md`; returns the report."""
+    _atomic_write(out / "summary.json", json.dumps({**summary, "details": details}, indent=2) + "\n")
+    duel = details.get("head_to_head") or {}
+    shared = {
+        **summary,
+        "task": f"MCP server {summary['server']}",
+        "inputs_train": summary["scenarios_train"],
+        "inputs_val": summary["scenarios_val"],
+        "win_rate_ci": (duel.get("ci_low", 0.0), duel.get("ci_high", 1.0)),
+        "judge_errors": sum(int(h.get("judge_errors") or 0) for h in history)
+        + int(duel.get("judge_errors", 0)),
+    }
+    report, _ = write_shared_report(
+        out, shared, history, notes=mcp_notes(summary, details), examples=examples
+    )
+    return report
+
+
+__all__ = ["mcp_notes", "write_report"]
