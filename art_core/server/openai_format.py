@@ -330,7 +330,7 @@ def answered_choice(
         completion_ids=list(completion.token_ids),
         logprobs=list(completion.logprobs),
         model=served_model,
-        finish_reason=reason.value,
+        finish_reason=str(reason),
     )
     body = {
         "index": index,
