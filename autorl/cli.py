@@ -285,7 +285,8 @@ def _quiet_logs() -> None:
     from rich.logging import RichHandler
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[RichHandler(console=console)])
-    for noisy in ("httpx", "transformers", "peft", "uvicorn", "uvicorn.access", "LiteLLM", "art_core.model"):
+    # (not art_core's loggers: their warnings, such as a step that trained nothing, must show)
+    for noisy in ("httpx", "transformers", "peft", "uvicorn", "uvicorn.access", "LiteLLM"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
