@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +17,17 @@ import pytest
 
 from art_core.types import Trajectory, TrajectoryGroup
 from autorl.bradley_terry import bradley_terry, win_probabilities
-from autorl.judge import JudgeConfig, clear_memory_cache
+from autorl.judge import JudgeConfig
 from autorl.judging import LOCAL_MODE, ONE_TO_FIVE, RulerConfig, resolve_mode
 from autorl.label_probs import NoLabelProbabilitiesError, NoLogprobsError, label_probabilities
 from autorl.pairwise import build_pairwise_messages, pairwise_scores
 from autorl.ruler import DEFAULT_RUBRIC, judge_message_lists, ruler, ruler_score_group
 from autorl.weighted import build_weighted_messages, weighted_score
+from tests.autorl.test_ruler import _fresh_memory_cache, check_golden  # noqa: F401 (an autouse fixture)
 from tests.helpers_judge import Reply, ScriptedJudge, judge_fixtures, judge_for, logprob_reply, user_text
 
 scripted_judge_server, transport = judge_fixtures()
 
-GOLDEN = Path(__file__).parent / "golden" / "ruler"
 SYSTEM = {"role": "system", "content": "You sell fruit. Answer in one sentence."}
 USER = {"role": "user", "content": "Which fruit should I buy today?"}
 REPLIES = ["Bananas: they are ripe and on offer.", "I don't know.", ""]
@@ -43,22 +41,6 @@ def lists(replies: list[str] = REPLIES) -> list[list[dict[str, Any]]]:
 
 def group(replies: list[str] = REPLIES) -> TrajectoryGroup:
     return TrajectoryGroup(Trajectory(messages=m) for m in lists(replies))
-
-
-@pytest.fixture(autouse=True)
-def _fresh_memory_cache() -> Iterator[None]:
-    clear_memory_cache()
-    yield
-    clear_memory_cache()
-
-
-def check_golden(name: str, messages: list[dict[str, Any]]) -> None:
-    path = GOLDEN / name
-    if os.environ.get("UPDATE_GOLDEN") == "1":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(messages, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
-    assert path.exists(), f"{path} is missing: run with UPDATE_GOLDEN=1 and review it"
-    assert messages == json.loads(path.read_text(encoding="utf-8")), f"prompt differs from {path}"
 
 
 # -- pure parts ---------------------------------------------------------------------------------
