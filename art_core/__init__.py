@@ -14,27 +14,26 @@ from art_core._lazy import lazy_exports
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from art_core.backends.base import TrainResult as TrainResult
+    from art_core.host.records import TrainResult as TrainResult
     from art_core.model import TrainableModel as TrainableModel
     from art_core.rollouts.dataset import iterate_dataset as iterate_dataset
+    from art_core.rollouts.groups import TrajectoryGroup as TrajectoryGroup
     from art_core.rollouts.groups import gather_trajectories as gather_trajectories
     from art_core.rollouts.groups import gather_trajectory_groups as gather_trajectory_groups
     from art_core.rollouts.records import History as History
     from art_core.rollouts.records import Trajectory as Trajectory
-    from art_core.rollouts.records import TrajectoryGroup as TrajectoryGroup
     from art_core.rollouts.records import Turn as Turn
+    from art_core.training.config import LossConfig as LossConfig
     from art_core.training.config import TrainConfig as TrainConfig
-    from art_core.training.loss import LossConfig as LossConfig
 
 __all__, __getattr__ = lazy_exports(
     __name__,
     {
-        "art_core.rollouts.records": ("Trajectory", "TrajectoryGroup", "History", "Turn"),
-        "art_core.rollouts.groups": ("gather_trajectory_groups", "gather_trajectories"),
+        "art_core.rollouts.records": ("Trajectory", "History", "Turn"),
+        "art_core.rollouts.groups": ("TrajectoryGroup", "gather_trajectory_groups", "gather_trajectories"),
         "art_core.rollouts.dataset": ("iterate_dataset",),
-        "art_core.training.config": ("TrainConfig",),
-        "art_core.training.loss": ("LossConfig",),
+        "art_core.training.config": ("TrainConfig", "LossConfig"),
         "art_core.model": ("TrainableModel",),
-        "art_core.backends.base": ("TrainResult",),
+        "art_core.host.records": ("TrainResult",),
     },
 )

@@ -1,12 +1,19 @@
-"""`TrainableModel`: the user's handle on a model being trained (ART's names and shape)."""
+"""`TrainableModel`: the user's handle on a model being trained (ART's names and shape).
+
+Holds `TrainableModel` (register on a backend, the OpenAI/LiteLLM clients that reach it, train,
+steps and checkpoints) and `Backend`, the protocol it calls: a backend gets `model.spec` to
+register and `model.name` for everything else, so backends never see this class. Light: no torch
+or transformers at import (a `RemoteBackend` client stays small). Left out: capture (the rollout
+scope is `integrations.scope`; the request hooks are `art_core.capture`) and the wire records
+(`art_core.host.records`).
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
-from art_core.backends.base import Backend, InferenceInfo, ProgressCallback, TrainResult
 from art_core.capture import (
     active_rollout,
     add_rollout_header,
@@ -14,11 +21,38 @@ from art_core.capture import (
     rollout_base_url,
     server_root,
 )
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.host.records import InferenceInfo, ModelSpec, ProgressCallback, TrainResult
+from art_core.rollouts.groups import TrajectoryGroup
 from art_core.storage import validate_name
 from art_core.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    """What a `TrainableModel` needs from a backend, by the model's name (`LocalBackend` in-process,
+    `RemoteBackend` over HTTP). Defined here, by its one caller, so backends never name the model."""
+
+    async def register(self, spec: ModelSpec) -> InferenceInfo: ...
+
+    async def train(
+        self,
+        name: str,
+        groups: Sequence[TrajectoryGroup],
+        config: TrainConfig,
+        *,
+        on_progress: ProgressCallback | None = None,
+    ) -> TrainResult: ...
+
+    async def get_step(self, name: str) -> int: ...
+
+    async def list_checkpoints(self, name: str) -> list[int]: ...
+
+    async def delete_checkpoints(self, name: str, keep: Iterable[int]) -> list[int]: ...
+
+    async def history(self, name: str) -> list[dict[str, float]]: ...
+
+    async def close(self) -> None: ...
 
 
 class NotRegisteredError(RuntimeError):
@@ -63,10 +97,22 @@ class TrainableModel:
 
     async def register(self, backend: Backend) -> None:
         """Load the model on `backend` (resuming from its latest checkpoint) and start serving it."""
-        self._info = await backend.register(self)
+        self._info = await backend.register(self.spec)
         self._backend = backend
         self._client = None
         self._sync_client = None
+
+    @property
+    def spec(self) -> ModelSpec:
+        """What a backend registers: the project, name, base model and LoRA shape."""
+        return ModelSpec(
+            project=self.project,
+            name=self.name,
+            base_model=self.base_model,
+            lora_rank=self.lora_rank,
+            lora_alpha=self.lora_alpha,
+            trust_remote_code=self.trust_remote_code,
+        )
 
     @property
     def backend(self) -> Backend:
@@ -163,7 +209,7 @@ class TrainableModel:
     ) -> TrainResult:
         """One GRPO step on `groups`; the server serves the new LoRA as soon as it returns."""
         result = await self.backend.train(
-            self, list(groups), config or TrainConfig(), on_progress=on_progress
+            self.name, list(groups), config or TrainConfig(), on_progress=on_progress
         )
         if not result.trained:
             logger.warning(
@@ -172,13 +218,13 @@ class TrainableModel:
         return result
 
     async def get_step(self) -> int:
-        return await self.backend.get_step(self)
+        return await self.backend.get_step(self.name)
 
     async def history(self) -> list[dict[str, float]]:
-        return await self.backend.history(self)
+        return await self.backend.history(self.name)
 
     async def list_checkpoints(self) -> list[int]:
-        return await self.backend.list_checkpoints(self)
+        return await self.backend.list_checkpoints(self.name)
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "train/reward") -> list[int]:
         """Delete every checkpoint but the latest and the best by `best_checkpoint_metric`."""
@@ -189,4 +235,4 @@ class TrainableModel:
         keep = {await self.get_step()}
         if scored:
             keep.add(max(scored)[1])
-        return await self.backend.delete_checkpoints(self, keep)
+        return await self.backend.delete_checkpoints(self.name, keep)

@@ -6,18 +6,14 @@ import asyncio
 import secrets
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from art_core.backends.base import InferenceInfo, ModelSpec, ProgressCallback, TrainResult
 from art_core.capture import RolloutRecorder
 from art_core.engine.config import EngineConfig
+from art_core.host.records import InferenceInfo, ModelSpec, ProgressCallback, TrainResult
 from art_core.host.service import ModelService, ServingConfig
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup
 from art_core.server.app import ServerHandle, create_app, serve_in_thread
 from art_core.training.config import TrainConfig
-
-if TYPE_CHECKING:
-    from art_core.model import TrainableModel
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -66,32 +62,32 @@ class LocalBackend:
     def base_url(self) -> str:
         return self._ensure_server().url + "/v1"
 
-    async def register(self, model: TrainableModel) -> InferenceInfo:
-        await asyncio.to_thread(self.service.register, ModelSpec.from_model(model))
+    async def register(self, spec: ModelSpec) -> InferenceInfo:
+        await asyncio.to_thread(self.service.register, spec)
         server = self._ensure_server()
-        return InferenceInfo(base_url=server.url + "/v1", api_key=self.api_key, model_name=model.name)
+        return InferenceInfo(base_url=server.url + "/v1", api_key=self.api_key, model_name=spec.name)
 
     async def train(
         self,
-        model: TrainableModel,
+        name: str,
         groups: Sequence[TrajectoryGroup],
         config: TrainConfig,
         *,
         on_progress: ProgressCallback | None = None,
     ) -> TrainResult:
-        return await self.service.train(model.name, groups, config, on_progress)
+        return await self.service.train(name, groups, config, on_progress)
 
-    async def get_step(self, model: TrainableModel) -> int:
-        return self.service.get(model.name).step
+    async def get_step(self, name: str) -> int:
+        return self.service.get(name).step
 
-    async def list_checkpoints(self, model: TrainableModel) -> list[int]:
-        return self.service.get(model.name).storage.steps()
+    async def list_checkpoints(self, name: str) -> list[int]:
+        return self.service.get(name).storage.steps()
 
-    async def delete_checkpoints(self, model: TrainableModel, keep: Iterable[int]) -> list[int]:
-        return self.service.delete_checkpoints(model.name, keep)
+    async def delete_checkpoints(self, name: str, keep: Iterable[int]) -> list[int]:
+        return self.service.delete_checkpoints(name, keep)
 
-    async def history(self, model: TrainableModel) -> list[dict[str, float]]:
-        return self.service.get(model.name).storage.read_history()
+    async def history(self, name: str) -> list[dict[str, float]]:
+        return self.service.get(name).storage.read_history()
 
     async def close(self) -> None:
         if self._server is not None:

@@ -26,7 +26,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from art_core.rollouts.records import Trajectory, TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup
+from art_core.rollouts.records import Trajectory
 from art_core.server.app import serve_in_thread
 from autorl.judge import JudgeConfig, JudgeError, JudgeResponseError, clear_memory_cache, response_format
 from autorl.ruler import (
@@ -643,7 +644,8 @@ def _server_takes_json_schema() -> bool:
     reason="our server rejects response_format json_schema (constrained decoding not there yet)",
 )
 async def test_real_local_judge_on_our_server(smollm2: Any, caplog: pytest.LogCaptureFixture) -> None:
-    from art_core.engine.torch.engine import EngineConfig, TorchEngine
+    from art_core.engine.config import EngineConfig
+    from art_core.engine.torch.engine import TorchEngine
     from art_core.server.app import create_app
     from art_core.server.router import ServedModel, StaticRouter
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from art_core.engine.grammar import RowConstraint
+from art_core.engine.protocol import Completion
 from art_core.engine.sampling import (
     SamplingParams,
     chosen_logprobs,
@@ -43,24 +44,6 @@ from art_core.engine.torch.prefix_cache import PrefixCache, PrefixHit
 
 BASE_ADAPTER = "__base__"
 """peft's name for "no adapter" in a mixed-adapter batch."""
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One sampled completion."""
-
-    token_ids: list[int]
-    """Sampled ids, including the final eos/stop token if one was sampled."""
-    logprobs: list[float]
-    """Raw log-softmax (temperature 1, before top-p) of each sampled id under the serving policy:
-    what the trainer's importance correction compares against (fp32: equal to ~1e-5)."""
-    top_logprobs: list[list[tuple[int, float]]]
-    """Per sampled position, the `params.top_logprobs` most likely (id, logprob) pairs (empty lists if 0)."""
-    text: str
-    """Decoded completion, without the final eos/stop token and without the stop string (if hit)."""
-    finish_reason: str
-    """"stop" (eos, a stop id or a stop string), "length" (max_tokens or the context window) or
-    "abort" (its request was cancelled mid-decoding; nobody receives it)."""
 
 
 @dataclass(eq=False)

@@ -58,9 +58,8 @@ once (`decoding.shared_prompt_length`, at least 16 tokens): SmolLM2's chat promp
 (a prefix cache).
 
 The engine's records (`GenerationRequest`, `EngineConfig`, `EngineStats`) live in
-`art_core.engine.config`, the `Engine` protocol in `art_core.engine.protocol` and its errors in
-`art_core.engine.errors`; all are re-exported here, so `from art_core.engine.torch.engine import ...` keeps
-working.
+`art_core.engine.config`, the `Engine` protocol and `Completion` in `art_core.engine.protocol` and its
+errors in `art_core.engine.errors`.
 """
 
 from __future__ import annotations
@@ -84,31 +83,16 @@ from art_core.engine.config import EngineConfig, EngineStats, GenerationRequest
 from art_core.engine.errors import (
     ContextLengthError,
     EngineClosedError,
-    EngineOverloadedError,
     InvalidRequestError,
     UnknownAdapterError,
 )
 from art_core.engine.grammar import RowConstraint
-from art_core.engine.protocol import Engine
+from art_core.engine.protocol import Completion
 from art_core.engine.sampling import row_seed
-from art_core.engine.torch.decoding import BASE_ADAPTER, Completion, DecodeBatch, RowState
+from art_core.engine.torch.decoding import BASE_ADAPTER, DecodeBatch, RowState
 from art_core.engine.torch.prefix_cache import PrefixCache
 from art_core.engine.torch.serving_weights import UnsupportedAdapterError, peft_model_of, serving_copy
 from art_core.engine.torch.streaming import DeltaChannel, TokenStream
-
-__all__ = [  # the names moved out of this module stay importable from it
-    "Completion",
-    "ContextLengthError",
-    "Engine",
-    "EngineClosedError",
-    "EngineConfig",
-    "EngineOverloadedError",
-    "EngineStats",
-    "GenerationRequest",
-    "InvalidRequestError",
-    "TorchEngine",
-    "UnknownAdapterError",
-]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
