@@ -14,13 +14,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from art_core.capture import (
-    active_rollout,
-    add_rollout_header,
-    add_rollout_header_async,
-    rollout_base_url,
-    server_root,
-)
+from art_core.capture import active_rollout, request_hook, rollout_base_url, server_root
 from art_core.host.records import InferenceInfo, ModelSpec, ProgressCallback, TrainResult
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.storage import validate_name
@@ -145,14 +139,15 @@ class TrainableModel:
     def openai_client(self) -> Any:
         """An `openai.AsyncOpenAI` pointed at our server (cached).
 
-        Inside a rollout scope (`integrations.scope.rollout`) its requests carry the rollout's
-        `X-Rollout-Id` header, so the server records them into that rollout.
+        Inside a rollout scope (`integrations.scope.rollout`) on this model's server its requests
+        carry the rollout's `X-Rollout-Id` header (`art_core.capture.tag_request`), so the server
+        records them into that rollout.
         """
         if self._client is None:
             from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
             info = self.inference
-            http_client = DefaultAsyncHttpxClient(event_hooks={"request": [add_rollout_header_async]})
+            http_client = DefaultAsyncHttpxClient(event_hooks={"request": [request_hook(is_async=True)]})
             self._client = AsyncOpenAI(
                 base_url=info.base_url,
                 api_key=info.api_key,
@@ -172,7 +167,7 @@ class TrainableModel:
             from openai import DefaultHttpxClient, OpenAI
 
             info = self.inference
-            http_client = DefaultHttpxClient(event_hooks={"request": [add_rollout_header]})
+            http_client = DefaultHttpxClient(event_hooks={"request": [request_hook(is_async=False)]})
             self._sync_client = OpenAI(
                 base_url=info.base_url,
                 api_key=info.api_key,
