@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from art_core.capture import active_rollout, request_hook, rollout_base_url, server_root
 from art_core.host.records import InferenceInfo, ModelSpec, ProgressCallback, TrainResult
 from art_core.rollouts.groups import TrajectoryGroup
-from art_core.storage import validate_name
+from art_core.storage import served_name, validate_name
 from art_core.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class TrainableModel:
 
     def get_inference_name(self, step: int | None = None) -> str:
         """`name` serves the latest weights; `name@step` a given checkpoint."""
-        return self.name if step is None else f"{self.name}@{step}"
+        return served_name(self.name, step)
 
     def openai_client(self) -> Any:
         """An `openai.AsyncOpenAI` pointed at our server (cached).
