@@ -38,6 +38,7 @@ FLOORS = {
     "models": 1,
     "rollouts": 1,
     "_lazy": 0,
+    "atomic": 0,  # atomic writes, standard library only (storage, models.loading, app.plotting)
 }
 PACKAGE_OF = {"types": "rollouts"}  # the ART-compatible facade belongs to the rollouts layer
 SERVER_MAY_IMPORT = {
