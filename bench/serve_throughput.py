@@ -56,8 +56,6 @@ import json
 import logging
 import os
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -70,6 +68,8 @@ from typing import IO, Any
 
 from machine import machine_header  # bench/ is on sys.path when a bench script runs
 from topics import TOPICS
+
+from art_core.app import free_port, stop_group  # free ports and process groups, shared with the tests
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
@@ -494,12 +494,6 @@ def run_sequential(args: argparse.Namespace, work: Path, adapter_dir: str) -> di
     return result
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def bind_cpus(threads: int) -> str:
     cpus = (
         sorted(os.sched_getaffinity(0))
@@ -507,24 +501,6 @@ def bind_cpus(threads: int) -> str:
         else list(range(os.cpu_count() or 1))
     )
     return ",".join(str(c) for c in cpus[:threads])
-
-
-def stop_group(proc: subprocess.Popen[Any]) -> None:
-    """End the server we started and its children (its own process group): SIGINT, then SIGTERM, SIGKILL."""
-    for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, 15)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    try:  # children that outlived the leader
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def start_vllm(
