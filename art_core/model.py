@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from art_core.capture import active_rollout, request_hook, rollout_base_url, server_root
 from art_core.host.records import InferenceInfo, ModelSpec, ProgressCallback, TrainResult
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.storage import served_name, validate_name
-from art_core.training.config import TrainConfig
+from art_core.training.config import LoRAConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,20 @@ class NotRegisteredError(RuntimeError):
     """The model was used before `await model.register(backend)`."""
 
 
+def _lora_config(lora: LoRAConfig | None, rank: int | None, alpha: int | None) -> LoRAConfig:
+    """`lora`, or a LoRAConfig from ART's `lora_rank`/`lora_alpha` (its defaults for what is not given)."""
+    if lora is not None and (rank is not None or alpha is not None):
+        raise ValueError(
+            "give the LoRA shape either as lora=LoRAConfig(...) or as lora_rank/lora_alpha, not both"
+        )
+    if lora is not None:
+        return lora
+    default = LoRAConfig()
+    return replace(
+        default, r=default.r if rank is None else rank, alpha=default.alpha if alpha is None else alpha
+    )
+
+
 class TrainableModel:
     """A LoRA on top of `base_model`, served for rollouts and trained on their trajectories.
 
@@ -71,15 +86,16 @@ class TrainableModel:
         name: str,
         project: str,
         base_model: str,
-        lora_rank: int = 8,
-        lora_alpha: int = 16,
+        lora: LoRAConfig | None = None,
+        lora_rank: int | None = None,
+        lora_alpha: int | None = None,
         trust_remote_code: bool = False,
     ) -> None:
         self.name = validate_name(name, "model name")
         self.project = validate_name(project, "project")
         self.base_model = base_model
-        self.lora_rank = lora_rank
-        self.lora_alpha = lora_alpha
+        self.lora = _lora_config(lora, lora_rank, lora_alpha)
+        """The adapter's shape; `lora_rank`/`lora_alpha` (ART's spelling) set its `r`/`alpha`."""
         self.trust_remote_code = trust_remote_code
         self._backend: Backend | None = None
         self._info: InferenceInfo | None = None
@@ -97,14 +113,23 @@ class TrainableModel:
         self._sync_client = None
 
     @property
+    def lora_rank(self) -> int:
+        """ART's name for `lora.r`."""
+        return self.lora.r
+
+    @property
+    def lora_alpha(self) -> int:
+        """ART's name for `lora.alpha`."""
+        return self.lora.alpha
+
+    @property
     def spec(self) -> ModelSpec:
         """What a backend registers: the project, name, base model and LoRA shape."""
         return ModelSpec(
             project=self.project,
             name=self.name,
             base_model=self.base_model,
-            lora_rank=self.lora_rank,
-            lora_alpha=self.lora_alpha,
+            lora=self.lora,
             trust_remote_code=self.trust_remote_code,
         )
 
