@@ -58,7 +58,9 @@ class Gate:
     """What holds the engine's worker back."""
 
     paused: bool = False
+    """`pause()` holds the model for a trainer: nothing starts or joins until `resume()`."""
     closed: bool = False
+    """`close()` was called, or the worker died."""
     ops_waiting: bool = False
     """An adapter operation waits for the running batch to end."""
     resync_due: bool = False
@@ -89,7 +91,9 @@ class LanePlan(Generic[R]):
     """One lane of a batch: its rows, whether queued rows may join it, whether it uses the prefix cache."""
 
     lane: Lane
+    """Where the rows decode."""
     rows: tuple[R, ...]
+    """The rows the lane starts with."""
     joinable: bool
     """Queued rows of this lane may join while it runs (not while the other lane waits its turn)."""
     prefix_cache: bool
@@ -185,6 +189,8 @@ MIN_SHARED_PROMPT = 16
 
 
 class Prompted(Protocol):
+    """What `shared_prompt_length` reads of a row."""
+
     @property
     def adapter(self) -> str | None: ...
     @property
