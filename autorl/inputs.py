@@ -54,7 +54,7 @@ INPUT_SCHEMA: dict[str, Any] = {
 
 SYSTEM_PROMPT_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "properties": {"system_prompt": {"type": "string", "minLength": 10, "maxLength": 800}},
+    "properties": {"system_prompt": {"type": "string", "minLength": 10, "maxLength": 500}},
     "required": ["system_prompt"],
     "additionalProperties": False,
 }
@@ -91,7 +91,8 @@ class InputSet:
     items: tuple[InputItem, ...]
     """Every input, train and validation."""
     stats: dict[str, int] = field(default_factory=dict)
-    """How generation went: requested, generated, duplicates, invalid_batches."""
+    """How generation went: requested, generated, duplicates, invalid_batches, and
+    system_prompt_fallbacks (1 when the generator could not write the system prompt)."""
 
     @property
     def train(self) -> list[InputItem]:
@@ -289,6 +290,29 @@ async def generate_system_prompt(task: str, generator: Endpoint) -> str:
     return str(answer["system_prompt"]).strip()
 
 
+def fallback_system_prompt(task: str) -> str:
+    """The system prompt used when the generator cannot write one: the task itself; pure."""
+    return f"You are a helpful assistant. Your task: {task.strip()}"
+
+
+async def write_system_prompt(task: str, generator: Endpoint) -> tuple[str, bool]:
+    """The generator's system prompt for `task`, or the task-derived fallback; (prompt, fell_back).
+
+    A system prompt is a convenience, not data: a weak generator (a small local model can loop on
+    one string until `max_tokens`) should not end the run, so its failure is logged as a warning,
+    counted in the input set's stats and reported, and the task description stands in.
+    """
+    try:
+        return await generate_system_prompt(task, generator), False
+    except StructuredOutputError as exc:
+        logger.warning(
+            "the generator could not write a system prompt (%s); using the task description instead. "
+            "Pass --system-prompt to set one, or use a stronger --generator",
+            str(exc)[:300],
+        )
+        return fallback_system_prompt(task), True
+
+
 async def generate_inputs(
     task: str,
     n: int = 24,
@@ -306,15 +330,16 @@ async def generate_inputs(
     """A system prompt (unless given) and `n` distinct inputs for `task`, split train/validation.
 
     Raises TooFewInputsError when fewer than `min_inputs` (default `n`) distinct valid inputs
-    could be generated, and
-    StructuredOutputError when the generator could not write a system prompt.
+    could be generated. A system prompt the generator cannot write falls back to the task
+    (`write_system_prompt`), counted in `stats["system_prompt_fallbacks"]`.
     """
     if not task.strip():
         raise ValueError("the task description is empty: describe the task in a sentence or two")
     if n < 2:
         raise ValueError(f"n must be >= 2 (at least one training and one validation input), got {n}")
+    fell_back = False
     if system_prompt is None:
-        system_prompt = await generate_system_prompt(task, generator)
+        system_prompt, fell_back = await write_system_prompt(task, generator)
     items, stats = await generate_items(
         generator,
         instructions=input_instructions(task),
@@ -326,6 +351,7 @@ async def generate_inputs(
         threshold=threshold,
         on_batch=on_batch,
     )
+    stats["system_prompt_fallbacks"] = int(fell_back)
     return make_input_set(task, system_prompt, [str(i["input"]) for i in items], val_fraction, seed, stats)
 
 
@@ -450,9 +476,11 @@ __all__ = [
     "dedupe",
     "generate_inputs",
     "generate_items",
+    "fallback_system_prompt",
     "generate_system_prompt",
     "input_id",
     "load_inputs",
     "make_input_set",
     "save_inputs",
+    "write_system_prompt",
 ]

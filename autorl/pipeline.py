@@ -29,9 +29,9 @@ from autorl.inputs import (
     InputItem,
     InputSet,
     generate_inputs,
-    generate_system_prompt,
     load_inputs,
     save_inputs,
+    write_system_prompt,
 )
 from autorl.judge import JudgeConfig
 from autorl.judging import JudgingMode, RulerConfig
@@ -240,7 +240,12 @@ async def prepare_inputs(
         found = replace(found, system_prompt=config.system_prompt)
     if found.system_prompt is None:
         emit("phase", {"name": "writing a system prompt"})
-        found = replace(found, system_prompt=await generate_system_prompt(task, generator))
+        prompt, fell_back = await write_system_prompt(task, generator)
+        found = replace(
+            found, system_prompt=prompt, stats={**found.stats, "system_prompt_fallbacks": int(fell_back)}
+        )
+    if found.stats.get("system_prompt_fallbacks") and config.system_prompt is None:
+        emit("note", {"text": f"the generator wrote no valid system prompt; using {found.system_prompt!r}"})
     found = replace(found, task=task)
     save_inputs(saved, found)
     return found

@@ -17,6 +17,7 @@ from autorl.inputs import (
     TooFewInputsError,
     assign_splits,
     dedupe,
+    fallback_system_prompt,
     generate_inputs,
     generate_items,
     load_inputs,
@@ -218,6 +219,22 @@ async def test_a_failing_batch_is_counted_and_the_others_kept(scripted_generator
         batch_size=2,
     )
     assert stats["invalid_batches"] == 1 and len(items) == 2
+
+
+async def test_a_system_prompt_the_generator_cannot_write_falls_back_to_the_task(
+    scripted_generator: ScriptedLLM, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A small local generator can loop inside the string until max_tokens: three cut-off answers.
+    cut_off = '{"system_prompt": "Banana ' + "🍵" * 50
+    scripted_generator.script(cut_off, cut_off, cut_off, batch("alpha one", "beta two", "gamma three"))
+    with caplog.at_level("WARNING", logger="autorl.inputs"):
+        found = await generate_inputs(
+            TASK, 3, generator=scripted_generator.config(max_attempts=3), batch_size=3, parallel=1
+        )
+    assert found.system_prompt == fallback_system_prompt(TASK) and TASK in found.system_prompt
+    assert found.stats["system_prompt_fallbacks"] == 1 and len(found.items) == 3
+    assert "could not write a system prompt" in caplog.text and "--system-prompt" in caplog.text
+    assert len(scripted_generator.requests) == 4
 
 
 # -- the real thing: our server and the tiny model ----------------------------------------------
