@@ -63,7 +63,8 @@ async def _rollout(model: TrainableModel, group: int, index: int, fail: bool) ->
 
 def _groups(model: TrainableModel, fail_one: bool) -> list[TrajectoryGroup]:
     return [
-        TrajectoryGroup(_rollout(model, g, i, fail_one and (g, i) == (1, 3)) for i in range(4)) for g in range(2)
+        TrajectoryGroup(_rollout(model, g, i, fail_one and (g, i) == (1, 3)) for i in range(4))
+        for g in range(2)
     ]
 
 
@@ -76,7 +77,9 @@ def _scripted_judge() -> ScriptedJudge:
             return Reply("this is not the JSON asked for")
         schema = body["response_format"]["json_schema"]["schema"]["properties"]["scores"]
         ids = [p["properties"]["trajectory_id"]["const"] for p in schema["prefixItems"]]
-        scores = [{"trajectory_id": i, "explanation": explanation(i), "score": int(i) / len(ids)} for i in ids]
+        scores = [
+            {"trajectory_id": i, "explanation": explanation(i), "score": int(i) / len(ids)} for i in ids
+        ]
         return Reply(json.dumps({"scores": scores}))
 
     judge.responder = respond
@@ -88,7 +91,9 @@ async def build_run(root: Path) -> StoredRun:
     run = StoredRun(root)
     judge_server = _scripted_judge()
     handle = serve_in_thread(judge_server.app())
-    judge = JudgeConfig(model=judge_server.model, base_url=handle.url + "/v1", api_key="x", retry_backoff_s=0.0)
+    judge = JudgeConfig(
+        model=judge_server.model, base_url=handle.url + "/v1", api_key="x", retry_backoff_s=0.0
+    )
 
     async def score(group: TrajectoryGroup) -> TrajectoryGroup:
         return await ruler_score_group(group, judge, config=RulerConfig(mode="sampled"))
@@ -97,9 +102,13 @@ async def build_run(root: Path) -> StoredRun:
         async with LocalBackend(root) as backend:
             model = TrainableModel(project=PROJECT, name=MODEL, base_model="tiny-random")
             await model.register(backend)
-            first = await gather_trajectory_groups(_groups(model, fail_one=True), pbar=False, max_exceptions=1)
+            first = await gather_trajectory_groups(
+                _groups(model, fail_one=True), pbar=False, max_exceptions=1
+            )
             await model.train(first, config=TrainConfig(learning_rate=LEARNING_RATE))
-            second = await gather_trajectory_groups(_groups(model, fail_one=False), pbar=False, after_each=score)
+            second = await gather_trajectory_groups(
+                _groups(model, fail_one=False), pbar=False, after_each=score
+            )
             kl = TrainConfig(learning_rate=LEARNING_RATE, loss=LossConfig(kl_coef=0.1))
             await model.train(second, config=kl)
             run.val_groups = await gather_trajectory_groups(_groups(model, fail_one=False), pbar=False)

@@ -121,11 +121,15 @@ def report(
     run: RunName,
     path: StoragePath = Path(".art"),
     out: Annotated[
-        Path | None, typer.Option(help="HTML file to write (default: <model>-report.html).", show_default=False)
+        Path | None,
+        typer.Option(help="HTML file to write (default: <model>-report.html).", show_default=False),
     ] = None,
     steps: Annotated[
         str | None,
-        typer.Option(help="Comma-separated steps whose trajectories to show (default: first and last).", show_default=False),
+        typer.Option(
+            help="Comma-separated steps whose trajectories to show (default: first and last).",
+            show_default=False,
+        ),
     ] = None,
     split: Annotated[Split, typer.Option(help="Trajectories of which split.")] = Split.train,
     count: Annotated[int, typer.Option(min=1, help="Best and worst trajectories shown per step.")] = 2,
@@ -147,8 +151,12 @@ def trajectories(
     run: RunName,
     step: Annotated[int, typer.Option(help="The step whose trajectories to print.")],
     path: StoragePath = Path(".art"),
-    best: Annotated[int | None, typer.Option(min=1, help="Print the K best, by reward.", show_default=False)] = None,
-    worst: Annotated[int | None, typer.Option(min=1, help="Print the K worst, by reward.", show_default=False)] = None,
+    best: Annotated[
+        int | None, typer.Option(min=1, help="Print the K best, by reward.", show_default=False)
+    ] = None,
+    worst: Annotated[
+        int | None, typer.Option(min=1, help="Print the K worst, by reward.", show_default=False)
+    ] = None,
     split: Annotated[Split, typer.Option(help="Trajectories of which split.")] = Split.train,
 ) -> None:
     """Print a step's stored trajectories (messages, reward, metrics, judge logs); all, or --best/--worst K."""
@@ -168,7 +176,9 @@ def trajectories(
     else:
         shown, label = order, "#"
     out = Console()
-    out.print(f"{_escape(run)} {split.value} step {step}: {len(order)} rewarded trajectories in {len(groups)} groups")
+    out.print(
+        f"{_escape(run)} {split.value} step {step}: {len(order)} rewarded trajectories in {len(groups)} groups"
+    )
     for index, trajectory in enumerate(shown, start=1):
         out.print(trajectory_panel(trajectory, f"{label} {index}"))
 
@@ -179,7 +189,9 @@ def _parse_steps(text: str | None) -> list[int] | None:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise ValueError(f"--steps {text!r}: give step numbers separated by commas, e.g. --steps 1,10") from None
+        raise ValueError(
+            f"--steps {text!r}: give step numbers separated by commas, e.g. --steps 1,10"
+        ) from None
 
 
 @contextmanager

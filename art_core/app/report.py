@@ -43,7 +43,9 @@ def message_text(message: dict[str, Any]) -> str:
     """A message's text: its content (parts joined) and any tool calls as `name(arguments)`."""
     content = message.get("content")
     if isinstance(content, list):
-        content = "\n".join(str(part.get("text", part)) if isinstance(part, dict) else str(part) for part in content)
+        content = "\n".join(
+            str(part.get("text", part)) if isinstance(part, dict) else str(part) for part in content
+        )
     parts = [str(content)] if content else []
     for call in message.get("tool_calls") or []:
         function = call.get("function", {}) if isinstance(call, dict) else {}
@@ -87,12 +89,18 @@ def default_steps(storage: ModelStorage, split: str) -> list[int]:
 
 
 def render_report(
-    storage: ModelStorage, title: str, steps: Sequence[int] | None = None, split: str = "train", count: int = 2
+    storage: ModelStorage,
+    title: str,
+    steps: Sequence[int] | None = None,
+    split: str = "train",
+    count: int = 2,
 ) -> str:
     """The report's HTML: a chart per `CURVES` entry, then `count` best and worst trajectories of each step."""
     rows = merged_history(storage.read_history())
     charts = "".join(
-        polyline_chart([(float(r["step"]), float(r[key])) for r in rows if isinstance(r.get(key), int | float)], name)
+        polyline_chart(
+            [(float(r["step"]), float(r[key])) for r in rows if isinstance(r.get(key), int | float)], name
+        )
         for key, name in CURVES
     )
     chosen = default_steps(storage, split) if steps is None else list(steps)

@@ -41,7 +41,10 @@ def polyline_chart(
         f'<text x="{_PAD_LEFT}" y="16" font-size="13" font-family="sans-serif">{html.escape(title)}</text>'
     )
     if not finite:
-        return head + f'<text x="{width / 2}" y="{height / 2}" font-size="12" text-anchor="middle">no data</text></svg>'
+        return (
+            head
+            + f'<text x="{width / 2}" y="{height / 2}" font-size="12" text-anchor="middle">no data</text></svg>'
+        )
     xs, ys = [x for x, _ in finite], [y for _, y in finite]
     x_lo, x_hi = _scale(min(xs), max(xs))
     y_lo, y_hi = _scale(min(ys), max(ys))
@@ -67,6 +70,13 @@ def polyline_chart(
         )
     )
     line = " ".join(at(x, y) for x, y in finite)
-    dots = "".join(f'<circle cx="{at(x, y).split(",")[0]}" cy="{at(x, y).split(",")[1]}" r="2" fill="{color}"/>' for x, y in finite) if len(finite) <= 60 else ""
+    dots = (
+        "".join(
+            f'<circle cx="{at(x, y).split(",")[0]}" cy="{at(x, y).split(",")[1]}" r="2" fill="{color}"/>'
+            for x, y in finite
+        )
+        if len(finite) <= 60
+        else ""
+    )
     data = f'<polyline class="series" points="{line}" fill="none" stroke="{color}" stroke-width="2"/>'
     return head + axes + labels + data + dots + "</svg>"

@@ -43,6 +43,10 @@ def runs_table(runs: list[RunSummary]) -> Table:
         table.add_column(column, overflow="fold")
     for run in runs:
         metrics = [f"{run.latest[k]:.4g}" if k in run.latest else "-" for k in SUMMARY_KEYS]
-        logged = f"{len(run.history_steps)} ({run.history_steps[0]}-{run.history_steps[-1]})" if run.history_steps else "0"
+        logged = (
+            f"{len(run.history_steps)} ({run.history_steps[0]}-{run.history_steps[-1]})"
+            if run.history_steps
+            else "0"
+        )
         table.add_row(escape(run.project), escape(run.model), str(run.latest_step), logged, *metrics)
     return table

@@ -34,9 +34,9 @@ from art_core.engine.protocol import Engine
 from art_core.engine.torch.engine import TorchEngine
 from art_core.engine.vllm.config import VLLMEngineConfig, require_vllm
 from art_core.engine.vllm.router import VLLMAdapterRouter
+from art_core.host.step_record import PhaseTimer, rollout_seconds, train_record
 from art_core.models.loading import LoadedModel, load_model
 from art_core.rollouts.records import TrajectoryGroup
-from art_core.host.step_record import PhaseTimer, rollout_seconds, train_record
 from art_core.server.router import ServedModel, UnknownModelError
 from art_core.storage import ModelStorage, validate_name
 from art_core.training.batch import prepare_batch
@@ -321,7 +321,7 @@ class ModelService:
                 with timer("checkpoint"):
                     self._checkpoint(hosted)
             notify("checkpoint", {"step": float(hosted.step)})
-            seconds = {"rollout": rollout_s, **timer.seconds, "step": time.perf_counter() - started}
+            seconds = {**rollout_s, **timer.seconds, "step": time.perf_counter() - started}
             record = train_record(hosted.step, groups, prepared.metrics, metrics, seconds)
             hosted.storage.append_history(record)
             hosted.storage.write_trajectories("train", hosted.step, groups)

@@ -58,10 +58,11 @@ class PhaseTimer:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
 
 
-def rollout_seconds(groups: Sequence[TrajectoryGroup], now: float) -> float:
-    """Seconds from the earliest trajectory's `start_time` (wall clock) to `now`; NaN without any."""
+def rollout_seconds(groups: Sequence[TrajectoryGroup], now: float) -> dict[str, float]:
+    """`{"rollout": seconds from the earliest trajectory's start_time (wall clock) to now}`; `{}`
+    when there is no trajectory (then the record has no `time/rollout_s`)."""
     starts = [t.start_time for g in groups for t in g.trajectories]
-    return max(now - min(starts), 0.0) if starts else float("nan")
+    return {"rollout": max(now - min(starts), 0.0)} if starts else {}
 
 
 def train_record(
@@ -79,9 +80,13 @@ def train_record(
     record: dict[str, Any] = {"step": step, **split_metrics(groups, "train")}
     record.update({f"train/{k}": float(v) for k, v in batch_metrics.items()})
     record.update({f"loss/{k}": float(v) for k, v in train_metrics.items()})
-    record.update({art: float(batch_metrics[ours]) for art, ours in _ART_DATA.items() if ours in batch_metrics})
+    record.update(
+        {art: float(batch_metrics[ours]) for art, ours in _ART_DATA.items() if ours in batch_metrics}
+    )
     record["data/step_num_gradient_steps"] = float(trained)
-    record.update({art: float(train_metrics[ours]) for art, ours in _ART_LOSS.items() if ours in train_metrics})
+    record.update(
+        {art: float(train_metrics[ours]) for art, ours in _ART_LOSS.items() if ours in train_metrics}
+    )
     record.update({f"time/{phase}_s": float(value) for phase, value in seconds.items()})
     record["trained"] = int(trained)
     return record

@@ -88,7 +88,10 @@ def test_report_steps_option_chooses_the_steps(run: StoredRun, tmp_path: Path) -
 
 @pytest.mark.parametrize("name", ["../etc", "obs", "obs/../x", "obs/a b", "/abs/x"])
 def test_bad_run_names_are_refused_with_advice(run: StoredRun, tmp_path: Path, name: str) -> None:
-    for command in (["report", name, "--out", str(tmp_path / "x.html")], ["trajectories", name, "--step", "1"]):
+    for command in (
+        ["report", name, "--out", str(tmp_path / "x.html")],
+        ["trajectories", name, "--step", "1"],
+    ):
         code, text = invoke(*command, "--path", str(run.root))
         assert code == 2, text
         assert "PROJECT/MODEL" in text or "invalid" in text
@@ -116,7 +119,9 @@ def test_trajectories_of_val_and_all_of_a_step(run: StoredRun) -> None:
     assert "8 rewarded trajectories in 2 groups" in out
     code, out = invoke("trajectories", RUN, "--step", "2", "--path", str(run.root))
     assert code == 0 and explanation("4") in out  # the judge's explanation, from the trajectory's logs
-    code, out = invoke("trajectories", RUN, "--step", "1", "--best", "1", "--worst", "1", "--path", str(run.root))
+    code, out = invoke(
+        "trajectories", RUN, "--step", "1", "--best", "1", "--worst", "1", "--path", str(run.root)
+    )
     assert code == 2 and "not both" in out
 
 

@@ -33,9 +33,9 @@ def _train(history: list[dict[str, Any]], step: int) -> dict[str, Any]:
 
 
 def _rewards(groups: list[TrajectoryGroup]) -> tuple[float, float]:
-    rewards = [t.reward for g in groups for t in g.trajectories]
-    stds = [statistics.pstdev([t.reward for t in g.trajectories]) for g in groups]
-    return statistics.fmean(rewards), statistics.fmean(stds)  # type: ignore[arg-type]
+    rewards = [t.checked_reward() for g in groups for t in g.trajectories]
+    stds = [statistics.pstdev([t.checked_reward() for t in g.trajectories]) for g in groups]
+    return statistics.fmean(rewards), statistics.fmean(stds)
 
 
 @pytest.mark.parametrize("step", [1, 2])
@@ -96,7 +96,9 @@ def test_val_is_logged_without_training(run: StoredRun, history: list[dict[str, 
 
 def test_train_record_of_a_step_that_trained_nothing() -> None:
     group = TrajectoryGroup([Trajectory(reward=1.0), Trajectory(reward=1.0)])
-    record = train_record(3, [group], {"groups_total": 1, "groups_trainable": 0}, {"trained": 0.0}, {"step": 0.5})
+    record = train_record(
+        3, [group], {"groups_total": 1, "groups_trainable": 0}, {"trained": 0.0}, {"step": 0.5}
+    )
     assert record["trained"] == 0 and record["data/step_num_gradient_steps"] == 0
     assert record["data/step_num_groups_trainable"] == 0 and record["train/reward_std_dev"] == 0
     assert record["time/step_s"] == 0.5 and "loss/grad_norm" not in record
@@ -118,5 +120,5 @@ def test_phase_timer_adds_up_and_rollout_time_needs_trajectories() -> None:
         with timer("publish"):
             pass
     assert set(timer.seconds) == {"publish"} and timer.seconds["publish"] >= 0
-    assert math.isnan(rollout_seconds([TrajectoryGroup()], 10.0))
-    assert rollout_seconds([TrajectoryGroup([Trajectory(start_time=4.0)])], 10.0) == 6.0
+    assert rollout_seconds([TrajectoryGroup()], 10.0) == {}
+    assert rollout_seconds([TrajectoryGroup([Trajectory(start_time=4.0)])], 10.0) == {"rollout": 6.0}
