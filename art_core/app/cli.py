@@ -1,5 +1,6 @@
 """The `art` command: `art demo` trains the embedded default model; `art serve` hosts models for
-`RemoteBackend` clients; `art runs` lists runs."""
+`RemoteBackend` clients; `art runs` lists runs, `art report` writes a run's HTML report and
+`art trajectories` prints a step's trajectories."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import asyncio
 import ipaddress
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, fields
 from enum import StrEnum
 from pathlib import Path
@@ -85,23 +88,122 @@ def demo(
 
 
 @app.command()
-def runs(path: Annotated[Path, typer.Option(help="The storage folder.")] = Path(".art")) -> None:
-    """List the models stored under PATH with their latest step and reward."""
-    from art_core.storage import ModelStorage
+def runs(
+    path: Annotated[Path, typer.Argument(help="The storage folder (the backend's path).")] = Path(".art"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print the runs as JSON on stdout.")] = False,
+) -> None:
+    """List the projects and models stored under PATH: latest step and latest metrics."""
+    from art_core.app.runs import find_runs
+    from art_core.app.trajectories_view import runs_table
 
-    found = False
-    for model_dir in sorted(path.glob("*/models/*")):
-        storage = ModelStorage(model_dir)
-        history = storage.read_history()
-        last = history[-1] if history else {}
-        reward = last.get("train/reward")
-        shown = f"{reward:.3f}" if isinstance(reward, (int, float)) else "-"
-        console.print(
-            f"{model_dir.parent.parent.name}/{model_dir.name}: step {storage.latest_step()}, reward {shown}"
-        )
-        found = True
-    if not found:
-        console.print(f"no runs under {path}")
+    found = find_runs(path)
+    if as_json:
+        print(json.dumps([run.as_json() for run in found], allow_nan=False))
+    elif found:
+        Console().print(runs_table(found))
+    else:
+        console.print(f"no runs under {_escape(str(path))} (expected <project>/models/<name>/ folders)")
+
+
+class Split(StrEnum):
+    """`--split`: which stored trajectories."""
+
+    train = "train"
+    val = "val"
+
+
+RunName = Annotated[str, typer.Argument(metavar="PROJECT/MODEL", help="The run, as listed by `art runs`.")]
+StoragePath = Annotated[Path, typer.Option("--path", help="The storage folder (the backend's path).")]
+
+
+@app.command()
+def report(
+    run: RunName,
+    path: StoragePath = Path(".art"),
+    out: Annotated[
+        Path | None,
+        typer.Option(help="HTML file to write (default: <model>-report.html).", show_default=False),
+    ] = None,
+    steps: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated steps whose trajectories to show (default: first and last).",
+            show_default=False,
+        ),
+    ] = None,
+    split: Annotated[Split, typer.Option(help="Trajectories of which split.")] = Split.train,
+    count: Annotated[int, typer.Option(min=1, help="Best and worst trajectories shown per step.")] = 2,
+) -> None:
+    """Write one self-contained HTML report of a run: curves (inline SVG) and best/worst trajectories."""
+    from art_core.app.report import write_report
+    from art_core.app.runs import open_run
+
+    with _run_errors("art report"):
+        storage = open_run(path, run)
+        chosen = _parse_steps(steps)
+        target = out or Path(f"{storage.root.name}-report.html")
+        write_report(storage, f"art report: {run}", target, chosen, split.value, count)
+    console.print(f"wrote {_escape(str(target))}")
+
+
+@app.command()
+def trajectories(
+    run: RunName,
+    step: Annotated[int, typer.Option(help="The step whose trajectories to print.")],
+    path: StoragePath = Path(".art"),
+    best: Annotated[
+        int | None, typer.Option(min=1, help="Print the K best, by reward.", show_default=False)
+    ] = None,
+    worst: Annotated[
+        int | None, typer.Option(min=1, help="Print the K worst, by reward.", show_default=False)
+    ] = None,
+    split: Annotated[Split, typer.Option(help="Trajectories of which split.")] = Split.train,
+) -> None:
+    """Print a step's stored trajectories (messages, reward, metrics, judge logs); all, or --best/--worst K."""
+    from art_core.app.runs import best_and_worst, open_run, ranked, step_groups
+    from art_core.app.trajectories_view import trajectory_panel
+
+    if best is not None and worst is not None:
+        console.print("[red]art trajectories:[/] pass --best K or --worst K, not both")
+        raise typer.Exit(2)
+    with _run_errors("art trajectories"):
+        groups = step_groups(open_run(path, run), split.value, step)
+    order = ranked(groups)
+    if best is not None:
+        shown, label = best_and_worst(groups, best)[0], "best"
+    elif worst is not None:
+        shown, label = best_and_worst(groups, worst)[1], "worst"
+    else:
+        shown, label = order, "#"
+    out = Console()
+    out.print(
+        f"{_escape(run)} {split.value} step {step}: {len(order)} rewarded trajectories in {len(groups)} groups"
+    )
+    for index, trajectory in enumerate(shown, start=1):
+        out.print(trajectory_panel(trajectory, f"{label} {index}"))
+
+
+def _parse_steps(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--steps {text!r}: give step numbers separated by commas, e.g. --steps 1,10"
+        ) from None
+
+
+@contextmanager
+def _run_errors(command: str) -> Iterator[None]:
+    """Bad names, missing runs and steps end the command with exit code 2 and the error's advice."""
+    from art_core.app.runs import RunNotFoundError
+
+    try:
+        yield
+    except (ValueError, RunNotFoundError) as exc:
+        console.print(f"[red]{command}:[/] {_escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2) from exc
 
 
 class EngineName(StrEnum):

@@ -34,6 +34,7 @@ from art_core.engine.protocol import Engine
 from art_core.engine.torch.engine import TorchEngine
 from art_core.engine.vllm.config import VLLMEngineConfig, require_vllm
 from art_core.engine.vllm.router import VLLMAdapterRouter
+from art_core.host.step_record import PhaseTimer, rollout_seconds, train_record
 from art_core.models.loading import LoadedModel, load_model
 from art_core.rollouts.records import TrajectoryGroup
 from art_core.server.router import ServedModel, UnknownModelError
@@ -288,6 +289,7 @@ class ModelService:
         notify = on_progress or (lambda phase, metrics: None)
         with hosted.train_lock:
             started, step = time.perf_counter(), hosted.step + 1
+            timer, rollout_s = PhaseTimer(), rollout_seconds(groups, time.time())
             prepared = prepare_batch(
                 groups,
                 scale_rewards=config.scale_rewards,
@@ -297,12 +299,16 @@ class ModelService:
             notify("prepare", prepared.metrics)
             hosted.engine.pause()
             try:
-                metrics = hosted.trainer.train_step(prepared, config)
+                with timer("train"):
+                    metrics = hosted.trainer.train_step(prepared, config)
                 if hosted.adapters is not None:  # vLLM: load the new step before waiting requests resume
-                    self._checkpoint(hosted)
-                    hosted.adapters.publish(hosted.step, hosted.storage.checkpoint_dir(hosted.step))
+                    with timer("checkpoint"):
+                        self._checkpoint(hosted)
+                    with timer("publish"):
+                        hosted.adapters.publish(hosted.step, hosted.storage.checkpoint_dir(hosted.step))
             finally:
-                hosted.engine.resume()
+                with timer("publish"):  # torch: the live adapter is the trained one; serving resumes
+                    hosted.engine.resume()
             trained = bool(metrics.get("trained", 0))
             notify("train", metrics)
             warnings = list(prepared.warnings)
@@ -312,15 +318,11 @@ class ModelService:
                 warnings.insert(0, f"nothing trained: {untrained_reason(prepared.metrics, metrics)}")
                 logger.info("step %d %s", step, warnings[0])
             if hosted.adapters is None:
-                self._checkpoint(hosted)
+                with timer("checkpoint"):
+                    self._checkpoint(hosted)
             notify("checkpoint", {"step": float(hosted.step)})
-            record = {
-                "step": hosted.step,
-                **{f"train/{k}": v for k, v in prepared.metrics.items()},
-                **{f"loss/{k}": v for k, v in metrics.items()},
-                "time/step_s": time.perf_counter() - started,
-                "trained": int(trained),
-            }
+            seconds = {**rollout_s, **timer.seconds, "step": time.perf_counter() - started}
+            record = train_record(hosted.step, groups, prepared.metrics, metrics, seconds)
             hosted.storage.append_history(record)
             hosted.storage.write_trajectories("train", hosted.step, groups)
             notify("done", {k: float(v) for k, v in record.items()})

@@ -15,7 +15,8 @@ def _mean(values: list[float]) -> float:
 
 def split_metrics(groups: Iterable[TrajectoryGroup], split: str) -> dict[str, float]:
     """`{split}/reward`, `/reward_std_dev` (mean within-group population std), `/exception_rate`,
-    `/num_trajectories`, `/num_groups` and the mean of each trajectory metric, as ART logs them.
+    `/num_trajectories`, `/num_groups`, the mean of each trajectory metric, as ART logs them, and
+    the groups' metrics (`group_metrics`: RULER's judge calls and errors).
 
     Trajectories without a reward are left out of the reward means (and counted in
     `{split}/unrewarded`), never counted as 0.
@@ -40,4 +41,22 @@ def split_metrics(groups: Iterable[TrajectoryGroup], split: str) -> dict[str, fl
     names = sorted({k for t in trajectories for k in t.metrics})
     for name in names:
         out[f"{split}/{name}"] = _mean([float(t.metrics[name]) for t in trajectories if name in t.metrics])
+    out.update(group_metrics(groups, split))
+    return out
+
+
+_SUMMED_GROUP_METRICS = ("judge_calls", "judge_errors", "ruler_errors", "ruler_attempts")
+"""Group metrics that are counts (RULER's, see `autorl.ruler`): summed over the groups, not averaged."""
+
+
+def group_metrics(groups: list[TrajectoryGroup], split: str) -> dict[str, float]:
+    """`{split}/judge_calls`, `/judge_errors`, `/ruler_errors` summed over the groups that hold them,
+    and `{split}/group_<name>` (ART's name) for the mean of every other group metric."""
+    out: dict[str, float] = {}
+    for name in sorted({k for g in groups for k in g.metrics}):
+        values = [float(g.metrics[name]) for g in groups if name in g.metrics]
+        if name in _SUMMED_GROUP_METRICS:
+            out[f"{split}/{name}"] = sum(values)
+        else:
+            out[f"{split}/group_{name}"] = _mean(values)
     return out

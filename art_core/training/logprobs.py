@@ -56,10 +56,31 @@ def _chunk_logprobs(
     picked = torch.where(valid, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
     if not with_entropy:
         return picked, picked.new_zeros(())
-    with torch.no_grad():
-        probs = logp_all.exp()
-        entropy = -torch.where(probs > 0, probs * logp_all, torch.zeros_like(probs)).sum(dim=-1)
+    with torch.no_grad():  # log_softmax of finite logits is finite, so p * log p is 0 where p underflows
+        entropy = -torch.linalg.vecdot(logp_all.exp(), logp_all)
     return picked, entropy
+
+
+_ENTROPY_ROWS = 8
+"""Rows exponentiated at a time by `_exp_with_entropy_`: a few hundred KiB that stay in cache."""
+
+
+def _exp_with_entropy_(logp_all: Tensor) -> Tensor:
+    """Exponentiate the [N, V] log-probs in place (they become probabilities) and return the [N]
+    entropies -sum p log p, computed in the same pass over small row blocks.
+
+    On a 49k vocabulary this adds about 60% to the in-place `exp_` it replaces, where a separate
+    `probs * logp` pass over the whole chunk costs about ten times that (memory traffic).
+    """
+    entropy = logp_all.new_empty(logp_all.shape[0])
+    block = logp_all.new_empty(min(_ENTROPY_ROWS, logp_all.shape[0]), logp_all.shape[1])
+    for start in range(0, logp_all.shape[0], _ENTROPY_ROWS):
+        rows = logp_all[start : start + _ENTROPY_ROWS]
+        probs = block[: rows.shape[0]]
+        torch.exp(rows, out=probs)
+        entropy[start : start + rows.shape[0]] = -torch.linalg.vecdot(probs, rows)
+        rows.copy_(probs)
+    return entropy
 
 
 class _FrozenHeadLogprobs(torch.autograd.Function):
@@ -86,10 +107,9 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
             safe_t = t.clamp(min=0)
             lp = logp_all.gather(-1, safe_t[:, None])[:, 0]
             picked.append(torch.where(valid, lp, torch.zeros((), dtype=lp.dtype, device=lp.device)))
-            probs = logp_all.exp_() if not with_entropy else logp_all.exp()
             if with_entropy:
-                terms = torch.where(probs > 0, probs * logp_all, torch.zeros((), device=probs.device))
-                entropies.append(-terms.sum(dim=-1))
+                entropies.append(_exp_with_entropy_(logp_all))
+            probs = logp_all if with_entropy else logp_all.exp_()
             if need_grad:  # d log p(t) / d h = W[t] - E_p[W]
                 expected = (probs.to(weight.dtype) @ weight).float()
                 direction = weight[safe_t].float() - expected

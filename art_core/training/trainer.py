@@ -151,19 +151,28 @@ class Trainer:
         """Leading tokens of a micro-batch that one forward pass computes for all its rows; 0 for none."""
         return shared_prefix_length(input_ids, attention_mask) if self._share_prefixes else 0
 
-    def _logprobs(self, batch: dict[str, Tensor], positions: Tensor) -> tuple[Tensor, int]:
-        """[B, T] float32 log-probs of the targets at `positions` (0 elsewhere) and the shared prefix."""
+    def _logprobs(
+        self, batch: dict[str, Tensor], positions: Tensor, entropy: list[float] | None = None
+    ) -> tuple[Tensor, int]:
+        """[B, T] float32 log-probs of the targets at `positions` (0 elsewhere) and the shared prefix.
+
+        With an `entropy` list, the mean entropy of the predicted distribution over `positions` is
+        appended to it (no gradient; the same chunks compute it, no extra forward pass).
+        """
         ids, attention = batch["input_ids"], batch["attention_mask"]
         with training_kernels(self.model, self.adapter_name):
             hidden, prefix = hidden_states_at(
                 self._decoder, ids, attention, positions, self.shared_prefix_length(ids, attention)
             )
-        picked, _ = token_logprobs(
+        picked, per_token = token_logprobs(
             hidden[None],
             self._head,
             batch["targets"][positions][None],
             chunk_size=self.config.logprob_chunk_size,
+            with_entropy=entropy is not None,
         )
+        if entropy is not None and per_token is not None:
+            entropy.append(float(per_token.mean()) if per_token.numel() else 0.0)
         logprobs = torch.zeros(positions.shape, dtype=picked.dtype, device=picked.device)
         return logprobs.masked_scatter(positions, picked[0]), prefix
 
@@ -192,7 +201,8 @@ class Trainer:
         positions = batch["mask"] > 0
         with self._training_mode(), matmul_precision(self.config.matmul_precision, self.device):
             ref = self._ref_logprobs(batch, positions)
-            logprobs, prefix = self._logprobs(batch, positions)
+            entropy: list[float] = []
+            logprobs, prefix = self._logprobs(batch, positions, entropy)
             loss_batch = LossBatch(
                 logprobs=logprobs,
                 old_logprobs=logprobs.detach(),
@@ -209,6 +219,8 @@ class Trainer:
         metrics = {key: float(value) for key, value in output.metrics.items()}
         metrics.update(loss=float(output.loss.detach()), sequences=float(len(examples)))
         metrics["shared_prefix_tokens"] = float(prefix)
+        if entropy:
+            metrics["entropy"] = entropy[0]
         metrics.update(_logprob_metrics(logprobs.detach(), batch))
         return metrics
 

@@ -62,6 +62,21 @@ def test_raw_weight_and_frozen_head() -> None:
     torch.testing.assert_close(grad_only_h, want_h)
 
 
+@pytest.mark.parametrize("chunk_size", [1, 4, 9, B * T])  # 9 rows: one full block of 8 and a partial one
+def test_frozen_head_entropy_matches_naive_and_keeps_gradients(chunk_size: int) -> None:
+    hidden, head, targets = make(2)
+    head.requires_grad_(False)
+    upstream = torch.randn(B, T)
+    logprobs, entropy = token_logprobs(hidden, head, targets, chunk_size=chunk_size, with_entropy=True)
+    (grad,) = torch.autograd.grad((logprobs * upstream).sum(), [hidden])
+    expected, expected_entropy = naive(hidden, head.weight, head.bias, targets)
+    (want,) = torch.autograd.grad((expected * upstream).sum(), [hidden])
+    assert entropy is not None and entropy.shape == (B, T) and not entropy.requires_grad
+    torch.testing.assert_close(entropy, expected_entropy.detach())
+    torch.testing.assert_close(logprobs, expected)
+    torch.testing.assert_close(grad, want)  # the in-place probabilities still give E_p[W]
+
+
 def test_any_module_head_gets_gradients() -> None:
     """A head that is not an nn.Linear (e.g. LoRA-wrapped) is called as a module; its parameters get grads."""
     hidden, head, targets = make(2)
