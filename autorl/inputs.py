@@ -200,6 +200,7 @@ async def generate_items(
     max_batches: int | None = None,
     parallel: int = 1,
     threshold: float = 90.0,
+    patience: int = 3,
     on_batch: Callable[[int, int], None] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Generate up to `n` distinct items matching `item_schema`; returns (items, stats).
@@ -207,18 +208,23 @@ async def generate_items(
     `instructions` says what the items are (the system prompt of each batch call); `text_key`
     names the field compared for duplicates. Batches run `parallel` at a time, each round shown
     the items kept so far and each batch its own angle (every batch asks for `batch_size` items;
-    surplus distinct items are dropped). Stops once `n` distinct items exist or
-    after `max_batches` calls (default: 3x the batches `n` needs, at least 4). `on_batch(kept, n)`
-    is called after each round. Raises TooFewInputsError below `min_items` (default `n`) items.
+    surplus distinct items are dropped). Stops once `n` distinct items exist, after `patience`
+    rounds in a row that added no new item (the generator has run dry), or after `max_batches`
+    calls (default: 6x the batches `n` needs, at least 8: a small generator repeats itself, but
+    while its rounds still add items they are cheap). `on_batch(kept, n)` is called after each
+    round. Raises TooFewInputsError below `min_items` (default `n`) items.
     """
-    if n < 1 or batch_size < 1 or parallel < 1:
-        raise ValueError(f"n, batch_size and parallel must be >= 1, got {n}, {batch_size}, {parallel}")
+    if n < 1 or batch_size < 1 or parallel < 1 or patience < 1:
+        raise ValueError(
+            f"n, batch_size, parallel and patience must be >= 1, got {n}, {batch_size}, {parallel}, {patience}"
+        )
     min_items = n if min_items is None else min_items
-    max_batches = max_batches or max(4, 3 * math.ceil(n / batch_size))
+    max_batches = max_batches or max(8, 6 * math.ceil(n / batch_size))
     items: list[dict[str, Any]] = []
     stats = {"requested": n, "generated": 0, "duplicates": 0, "invalid_batches": 0, "batches": 0}
     errors: list[str] = []
-    while len(items) < n and stats["batches"] < max_batches:
+    stale = 0
+    while len(items) < n and stats["batches"] < max_batches and stale < patience:
         calls = min(parallel, max_batches - stats["batches"])
         written = [str(i[text_key]) for i in items]
         requests = []
@@ -244,6 +250,7 @@ async def generate_items(
         pool = items + new
         kept = dedupe([str(i[text_key]) for i in pool], threshold=threshold)
         stats["duplicates"] += len(pool) - len(kept)
+        stale = stale + 1 if len(kept) <= len(items) else 0
         items = [pool[k] for k in kept][:n]
         if on_batch is not None:
             on_batch(len(items), n)

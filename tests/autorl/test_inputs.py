@@ -194,7 +194,7 @@ async def test_duplicates_are_removed_and_batches_see_earlier_items(scripted_gen
 async def test_too_few_distinct_inputs_is_a_clear_error(scripted_generator: ScriptedLLM) -> None:
     scripted_generator.responder = lambda body: batch("The same input.", "the same input!")
     with pytest.raises(
-        TooFewInputsError, match=r"only 1 distinct items of the 6 needed after 9 generator calls"
+        TooFewInputsError, match=r"only 1 distinct items of the 6 needed after 4 generator calls"
     ) as err:
         await generate_inputs(
             TASK,
@@ -205,6 +205,22 @@ async def test_too_few_distinct_inputs_is_a_clear_error(scripted_generator: Scri
             parallel=1,
         )
     assert "--inputs FILE" in str(err.value) and "stronger generator" in str(err.value)
+
+
+async def test_a_slow_but_steady_generator_gets_the_calls_it_needs(scripted_generator: ScriptedLLM) -> None:
+    # One new item every third call: 13 calls for 6 items, past a fixed 3x budget (9 calls), and
+    # never three rounds in a row without a new item.
+    words = iter(["alpha", "bravo", "charlie", "delta", "echo", "foxtrot"])
+    calls = iter(range(100))
+    scripted_generator.responder = lambda body: (
+        batch(f"{next(words)} is a new sentence here", "The same input.")
+        if next(calls) % 3 == 0
+        else batch("The same input.", "the same input!")
+    )
+    items, stats = await generate_items(
+        scripted_generator.config(cache=False), instructions="x", item_schema=INPUT_SCHEMA, n=6, batch_size=2
+    )
+    assert len(items) == 6 and stats["batches"] == 13
 
 
 async def test_a_failing_batch_is_counted_and_the_others_kept(scripted_generator: ScriptedLLM) -> None:
