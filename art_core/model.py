@@ -11,20 +11,25 @@ They are pydantic, not frozen dataclasses like our configs, because ART scripts 
 behaviour (`TrainableModel[Cfg]`, `model_copy(deep=True)` then edit `name` and `config`,
 `model_dump`) and because the model's description crosses process boundaries. The connection to a
 backend (backend, clients) is runtime state, not a field: a copy is never registered.
+
+It also holds `Backend`, the protocol these models call: a backend gets `model.spec` to
+register and the model's name for everything else, so backends never name these classes. Light:
+no torch or transformers at import (a `RemoteBackend` client stays small). Left out: capture (the
+rollout scope is `integrations.scope`; the request hooks are `art_core.capture`) and the wire
+records (`art_core.host.records`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
-from typing import Any, Generic
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Generic, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import to_json
 from typing_extensions import TypeVar
 
-from art_core.backends.base import Backend, InferenceInfo, ProgressCallback, TrainResult
 from art_core.capture import (
     active_rollout,
     add_rollout_header,
@@ -32,7 +37,8 @@ from art_core.capture import (
     rollout_base_url,
     server_root,
 )
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.host.records import InferenceInfo, ModelRef, ModelSpec, ProgressCallback, TrainResult
+from art_core.rollouts.groups import TrajectoryGroup
 from art_core.rollouts.summary import split_metrics
 from art_core.storage import ModelStorage, validate_name
 from art_core.training.art_args import apply_art_args
@@ -42,6 +48,37 @@ logger = logging.getLogger(__name__)
 
 ConfigT = TypeVar("ConfigT", default=Any)
 """The type of a model's user `config`; unparametrised (`TrainableModel(...)`) it is `Any`."""
+
+
+class Backend(Protocol):
+    """What a `TrainableModel` needs from a backend, by the model's name (`LocalBackend` in-process,
+    `RemoteBackend` over HTTP). Defined here, by its one caller, so backends never name the model.
+    Backends also take a model object where ART scripts pass one (`backend.train(model, ...)`): any
+    `ModelRef` (`art_core.host.records`) is read by its `name`."""
+
+    async def register(self, spec: ModelSpec) -> InferenceInfo: ...
+
+    async def train(
+        self,
+        model: ModelRef,
+        groups: Sequence[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        *,
+        on_progress: ProgressCallback | None = None,
+        **art_kwargs: Any,
+    ) -> TrainResult:
+        """One step; `config=None` with ART 0.5's keyword arguments (`learning_rate=...`) also works."""
+        ...
+
+    async def get_step(self, model: ModelRef) -> int: ...
+
+    async def list_checkpoints(self, model: ModelRef) -> list[int]: ...
+
+    async def delete_checkpoints(self, model: ModelRef, keep: Iterable[int]) -> list[int]: ...
+
+    async def history(self, model: ModelRef) -> list[dict[str, float]]: ...
+
+    async def close(self) -> None: ...
 
 
 class NotRegisteredError(RuntimeError):
@@ -251,11 +288,24 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
                 "on the backend, e.g. LocalBackend(serving=ServingConfig(...)) or `art serve` flags"
             )
         _check_json(self.config)
-        info = await backend.register(self)
+        info = await backend.register(self.spec)
         self._runtime = _Runtime()
         self._runtime.backend, self._runtime.info = backend, info
         self.inference_base_url, self.inference_api_key = info.base_url, info.api_key
         self.inference_model_name = info.model_name
+
+    @property
+    def spec(self) -> ModelSpec:
+        """What a backend registers: the project, name, base model, LoRA shape and user config."""
+        return ModelSpec(
+            project=self.project,
+            name=self.name,
+            base_model=self.base_model,
+            lora_rank=self.lora_rank,
+            lora_alpha=self.lora_alpha,
+            trust_remote_code=self.trust_remote_code,
+            config=self.model_dump(mode="json", include={"config"})["config"],
+        )
 
     @property
     def backend(self) -> Backend:
@@ -352,7 +402,7 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
         config = config or TrainConfig()
         if _config:
             config = apply_art_args(config, _config, where="TrainableModel.train(_config=...)")
-        result = await self.backend.train(self, list(groups), config, on_progress=on_progress)
+        result = await self.backend.train(self.name, list(groups), config, on_progress=on_progress)
         if not result.trained:
             logger.warning(
                 "step %d: %s", result.step, result.warnings[0] if result.warnings else "nothing trained"
@@ -362,13 +412,13 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
         return result
 
     async def get_step(self) -> int:
-        return await self.backend.get_step(self)
+        return await self.backend.get_step(self.name)
 
     async def history(self) -> list[dict[str, float]]:
-        return await self.backend.history(self)
+        return await self.backend.history(self.name)
 
     async def list_checkpoints(self) -> list[int]:
-        return await self.backend.list_checkpoints(self)
+        return await self.backend.list_checkpoints(self.name)
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "train/reward") -> list[int]:
         """Delete every checkpoint but the latest and the best by `best_checkpoint_metric`."""
@@ -379,7 +429,7 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
         keep = {await self.get_step()}
         if scored:
             keep.add(max(scored)[1])
-        return await self.backend.delete_checkpoints(self, keep)
+        return await self.backend.delete_checkpoints(self.name, keep)
 
     def _skip_train_split(self, split: str) -> bool:
         if split != "train":

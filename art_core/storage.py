@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup
 
 logger = logging.getLogger(__name__)
 

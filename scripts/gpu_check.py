@@ -173,7 +173,8 @@ def reward(completion_tokens: int, max_tokens: int, text: str) -> float:
 
 async def rollouts(client: Any, args: argparse.Namespace) -> tuple[list[Any], int, float]:
     """One group per prompt (n completions each) over HTTP; returns groups, completion tokens, seconds."""
-    from art_core.rollouts.records import Trajectory, TrajectoryGroup
+    from art_core.rollouts.groups import TrajectoryGroup
+    from art_core.rollouts.records import Trajectory
 
     async def group(prompt: str) -> TrajectoryGroup:
         messages: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]

@@ -41,10 +41,10 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
-from art_core.backends.base import ModelSpec, TrainResult
+from art_core.host.records import WIRE_PREFIX, ModelSpec, TrainResult
 from art_core.host.service import ModelService
 from art_core.models.loading import ModelNotFoundError
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup
 from art_core.server.app import create_app
 from art_core.server.errors import APIError
 from art_core.server.middleware import MAX_CONCURRENT_REQUESTS
@@ -53,7 +53,7 @@ from art_core.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "/v1/art/models"
+PREFIX = WIRE_PREFIX
 HEARTBEAT_S = 15.0
 """Seconds of silence in a train stream after which a heartbeat line is sent."""
 

@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from art_core.backends.base import ModelSpec, ProgressCallback, TrainResult
 from art_core.engine.config import EngineConfig
 from art_core.engine.errors import UnknownAdapterError
 from art_core.engine.protocol import Engine
 from art_core.engine.torch.engine import TorchEngine
 from art_core.engine.vllm.config import VLLMEngineConfig, require_vllm
 from art_core.engine.vllm.router import VLLMAdapterRouter
+from art_core.host.records import ModelSpec, ProgressCallback, TrainResult
 from art_core.models.loading import LoadedModel, load_model
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup
 from art_core.server.router import ServedModel, UnknownModelError
 from art_core.storage import ModelStorage, validate_name
 from art_core.training.batch import prepare_batch

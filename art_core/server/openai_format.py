@@ -34,8 +34,8 @@ from art_core.engine.grammar import (
     tool_call_grammar,
     tool_tag_ids,
 )
+from art_core.engine.protocol import Completion
 from art_core.engine.sampling import SamplingParams
-from art_core.engine.torch.engine import Completion
 from art_core.models.chat_template import parse_tool_calls
 from art_core.rollouts.records import Turn
 from art_core.server.errors import APIError

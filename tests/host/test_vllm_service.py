@@ -30,7 +30,8 @@ from art_core.backends import LocalBackend, RemoteBackend, ServingConfig  # noqa
 from art_core.engine.vllm.config import VLLMEngineConfig  # noqa: E402
 from art_core.host.service import HostedModel  # noqa: E402
 from art_core.model import TrainableModel  # noqa: E402
-from art_core.rollouts.records import Trajectory, TrajectoryGroup  # noqa: E402
+from art_core.rollouts.groups import TrajectoryGroup  # noqa: E402
+from art_core.rollouts.records import Trajectory  # noqa: E402
 from art_core.training.config import TrainConfig  # noqa: E402
 from integrations import rollout  # noqa: E402
 
@@ -193,7 +194,7 @@ async def test_local_backend_on_vllm_serves_each_trained_step(tmp_path: Path) ->
 
         models = await model.openai_client().models.list()
         assert {m.id for m in models.data} >= {"agent", "agent@0", "agent@1", "agent@2"}
-        assert await backend.delete_checkpoints(model, keep=[1]) == [0]
+        assert await backend.delete_checkpoints(model.name, keep=[1]) == [0]
         assert hosted.adapters.loaded_steps() == [1]
         with pytest.raises(openai.NotFoundError):
             await greedy(model, "agent@0")
