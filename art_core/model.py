@@ -30,13 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from pydantic_core import to_json
 from typing_extensions import TypeVar
 
-from art_core.capture import (
-    active_rollout,
-    add_rollout_header,
-    add_rollout_header_async,
-    rollout_base_url,
-    server_root,
-)
+from art_core.capture import active_rollout, request_hook, rollout_base_url, server_root
 from art_core.host.records import InferenceInfo, ModelRef, ModelSpec, ProgressCallback, TrainResult
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.rollouts.summary import split_metrics
@@ -330,14 +324,15 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
     def openai_client(self) -> Any:
         """An `openai.AsyncOpenAI` pointed at our server (cached).
 
-        Inside a rollout scope (`integrations.scope.rollout`) its requests carry the rollout's
-        `X-Rollout-Id` header, so the server records them into that rollout.
+        Inside a rollout scope (`integrations.scope.rollout`) on this model's server its requests
+        carry the rollout's `X-Rollout-Id` header (`art_core.capture.tag_request`), so the server
+        records them into that rollout.
         """
         if self._runtime.client is None:
             from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
             info = self.inference
-            http_client = DefaultAsyncHttpxClient(event_hooks={"request": [add_rollout_header_async]})
+            http_client = DefaultAsyncHttpxClient(event_hooks={"request": [request_hook(is_async=True)]})
             self._runtime.client = AsyncOpenAI(
                 base_url=info.base_url,
                 api_key=info.api_key,
@@ -357,7 +352,7 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
             from openai import DefaultHttpxClient, OpenAI
 
             info = self.inference
-            http_client = DefaultHttpxClient(event_hooks={"request": [add_rollout_header]})
+            http_client = DefaultHttpxClient(event_hooks={"request": [request_hook(is_async=False)]})
             self._runtime.sync_client = OpenAI(
                 base_url=info.base_url,
                 api_key=info.api_key,
