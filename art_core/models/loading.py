@@ -41,6 +41,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from art_core.models import tool_format
 from art_core.models.chat_template import HERMES_TOOL_TEMPLATE, ensure_tool_template
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ _TINY_RE = re.compile(r"tiny-random(?:-(\d+))?")
 _HUB_ID_RE = re.compile(r"[\w.-]+/[\w.-]+")
 _MARKER = ".art_complete.json"
 _FORMAT_VERSION = 2  # bump when a build recipe changes: cached folders are rebuilt
-_END_OF_TURN = "<|im_end|>"
+_END_OF_TURN = tool_format.END_OF_TURN
 _PAD = "<|endoftext|>"
 
 
@@ -327,8 +328,8 @@ _TINY_CORPUS_MODULES = (
     "random", "secrets", "shlex", "shutil", "statistics", "string", "tempfile", "textwrap", "threading",
     "timeit", "tokenize", "traceback", "typing", "uuid", "warnings", "weakref", "zipfile",
 )  # fmt: skip
-_TINY_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-_TINY_TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+_TINY_SPECIAL = ("<|endoftext|>", "<|im_start|>", tool_format.END_OF_TURN)
+_TINY_TOOL_TAGS = tool_format.TAGS
 _TINY_VOCAB = 2048
 
 
