@@ -34,7 +34,7 @@ from art_core.capture import active_rollout, request_hook, rollout_base_url, ser
 from art_core.host.records import InferenceInfo, ModelRef, ModelSpec, ProgressCallback, TrainResult
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.rollouts.summary import split_metrics
-from art_core.storage import ModelStorage, validate_name
+from art_core.storage import ModelStorage, served_name, validate_name
 from art_core.training.art_args import apply_art_args
 from art_core.training.config import TrainConfig
 
@@ -165,7 +165,7 @@ class Model(BaseModel, Generic[ConfigT]):
     def get_inference_name(self, step: int | None = None) -> str:
         """The name to send to the endpoint; `name@step` for a checkpoint (ART's convention)."""
         name = self.inference_model_name or self.name
-        return name if step is None else f"{name}@{step}"
+        return served_name(name, step)
 
     def _endpoint(self) -> tuple[str, str]:
         if self.inference_base_url is None or self.inference_api_key is None:
@@ -319,7 +319,7 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
 
     def get_inference_name(self, step: int | None = None) -> str:
         """`name` serves the latest weights; `name@step` a given checkpoint."""
-        return self.name if step is None else f"{self.name}@{step}"
+        return served_name(self.name, step)
 
     def openai_client(self) -> Any:
         """An `openai.AsyncOpenAI` pointed at our server (cached).

@@ -50,6 +50,32 @@ def validate_name(name: str, what: str) -> str:
     return name
 
 
+class InvalidServedNameError(ValueError):
+    """A served model name that is neither `name` nor `name@step` (step in ASCII digits)."""
+
+
+def served_name(name: str, step: int | None = None) -> str:
+    """The name a model is served as: `name` for its latest weights, `name@step` for a checkpoint."""
+    return name if step is None else f"{name}@{int(step)}"
+
+
+def parse_served_name(text: str) -> tuple[str, int | None]:
+    """`name` -> (name, None), `name@7` -> (name, 7); the one parser of served names.
+
+    Raises InvalidServedNameError for anything else (`name@`, `name@x`, `name@-1`, `name@1@2`, and
+    `name@²`, whose superscript `str.isdigit` accepts but `int` refuses).
+    """
+    name, sep, step_text = text.partition("@")
+    if not sep:
+        return name, None
+    if not (step_text.isascii() and step_text.isdigit()):
+        raise InvalidServedNameError(
+            f"{text!r} is not a served model name: use `name` for the latest weights or `name@step` "
+            "with the step in ASCII digits (e.g. 'agent-001@3')"
+        )
+    return name, int(step_text)
+
+
 def _fsync_dir(path: Path) -> None:
     """Persist a folder's entries (a rename into it); a no-op where folders cannot be opened (Windows)."""
     try:

@@ -37,7 +37,13 @@ from art_core.host.records import ModelSpec, ProgressCallback, TrainResult
 from art_core.models.loading import LoadedModel, load_model
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.server.router import ServedModel, UnknownModelError
-from art_core.storage import ModelStorage, validate_name
+from art_core.storage import (
+    InvalidServedNameError,
+    ModelStorage,
+    parse_served_name,
+    served_name,
+    validate_name,
+)
 from art_core.training.batch import prepare_batch
 from art_core.training.config import TrainConfig
 from art_core.training.lora import LoRAConfig, attach_lora
@@ -225,7 +231,10 @@ class ModelService:
 
     # ---- ModelRouter --------------------------------------------------------------------
     def resolve(self, name: str) -> ServedModel:
-        base, _, step_text = name.partition("@")
+        try:
+            base, step = parse_served_name(name)
+        except InvalidServedNameError as exc:
+            raise UnknownModelError(f"{exc}; served models: {self.model_names()}") from None
         hosted = self._models.get(base)
         if hosted is None:
             raise self._unknown(name)
@@ -235,8 +244,8 @@ class ModelService:
                 adapter = hosted.adapters.resolve(name)
             except UnknownAdapterError as exc:
                 raise self._unknown(name) from exc
-        elif step_text:
-            adapter = self._adapter_for_step(hosted, name, step_text)
+        elif step is not None:
+            adapter = self._adapter_for_step(hosted, name, step)
         return ServedModel(
             engine=hosted.engine,
             tokenizer=hosted.loaded.tokenizer,
@@ -244,10 +253,7 @@ class ModelService:
             max_context=hosted.max_context,
         )
 
-    def _adapter_for_step(self, hosted: HostedModel, name: str, step_text: str) -> str:
-        if not (step_text.isascii() and step_text.isdigit()):  # int() rejects "²", which isdigit() accepts
-            raise self._unknown(name)
-        step = int(step_text)
+    def _adapter_for_step(self, hosted: HostedModel, name: str, step: int) -> str:
         if step == hosted.step:
             return LIVE_ADAPTER
         if step not in hosted.storage.steps():
@@ -263,7 +269,7 @@ class ModelService:
         names: list[str] = []
         for hosted in self._models.values():
             names.append(hosted.spec.name)
-            names.extend(f"{hosted.spec.name}@{s}" for s in hosted.storage.steps())
+            names.extend(served_name(hosted.spec.name, s) for s in hosted.storage.steps())
         return names
 
     # ---- training -----------------------------------------------------------------------
