@@ -38,6 +38,7 @@ FLOORS = {
     "models": 1,
     "rollouts": 1,
     "_lazy": 0,
+    "atomic": 0,  # atomic writes, standard library only (storage, models.loading, app.plotting)
 }
 # The ART-compatible facades belong to the rollouts layer (`dev` holds only TypedDicts).
 PACKAGE_OF = {"types": "rollouts", "utils": "rollouts", "dev": "rollouts"}
