@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from art_core.app import free_port, wait_healthy
 from art_core.backends.remote import (
     RemoteAuthenticationError,
     RemoteBackend,
@@ -49,12 +49,6 @@ class Server:
     log: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _server_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -62,25 +56,10 @@ def _server_env() -> dict[str, str]:
     return env
 
 
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"art serve exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            response = httpx.get(url + "/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=2)
-            if response.status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"art serve did not answer /health within {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("art_serve")
-    port = _free_port()
+    port = free_port()
     log = folder / "server.log"
     command = [sys.executable, "-m", "art_core.app.cli", "serve", "--port", str(port), "--api-key", KEY]
     command += ["--path", str(folder / ".art"), "--log-level", "warning"]
@@ -88,7 +67,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=_server_env())
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, process, log)
+        wait_healthy(url, process, log, api_key=KEY, timeout_s=STARTUP_TIMEOUT_S)
         yield Server(url, process, log)
     finally:
         process.terminate()
@@ -258,7 +237,7 @@ async def test_registering_a_missing_base_model_is_400(server: Server) -> None:
 
 async def test_unreachable_server_is_a_clear_connection_error() -> None:
     model = TrainableModel(project="remote", name="agent-x", base_model="tiny-random")
-    async with RemoteBackend(f"http://127.0.0.1:{_free_port()}/v1/", api_key=KEY, timeout=5) as backend:
+    async with RemoteBackend(f"http://127.0.0.1:{free_port()}/v1/", api_key=KEY, timeout=5) as backend:
         with pytest.raises(RemoteUnavailableError, match="is `art serve` running"):
             await backend.get_step(model.name)
 
@@ -266,7 +245,7 @@ async def test_unreachable_server_is_a_clear_connection_error() -> None:
 def test_serve_refuses_a_public_host_without_a_key() -> None:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "art_core.app.cli", "serve", "--host", "0.0.0.0", "--port", str(_free_port())],
+        [sys.executable, "-m", "art_core.app.cli", "serve", "--host", "0.0.0.0", "--port", str(free_port())],
         capture_output=True,
         text=True,
         env=_server_env(),
