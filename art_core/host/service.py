@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -98,8 +98,6 @@ class HostedModel:
     trainer: Trainer
     storage: ModelStorage
     step: int
-    max_context: int
-    """Prompt + completion token limit of what the engine serves."""
     train_lock: threading.Lock = field(default_factory=threading.Lock)
     step_adapters: dict[int, str] = field(default_factory=dict)
     """TorchEngine: older steps loaded as adapters `step<k>`, by step."""
@@ -170,8 +168,11 @@ class ModelService:
         else:
             storage.write_checkpoint(0, trainer.save_state)
         if vllm_config is None:
-            engine = TorchEngine(peft_model, loaded.tokenizer, self.engine_config)
-            hosted = HostedModel(spec, loaded, engine, trainer, storage, step, loaded.max_context)
+            config = replace(
+                self.engine_config, max_context=_served_context(loaded, self.engine_config.max_context)
+            )
+            engine = TorchEngine(peft_model, loaded.tokenizer, config)
+            hosted = HostedModel(spec, loaded, engine, trainer, storage, step)
         else:
             hosted = self._hosted_on_vllm(spec, loaded, trainer, storage, step, vllm_config)
         logger.info("registered %s (%s) in %.1fs", spec.name, spec.base_model, time.perf_counter() - started)
@@ -205,6 +206,7 @@ class ModelService:
         """Start a VLLMEngine on the base weights and hot-load checkpoint `step` as `spec.name`."""
         from art_core.engine.vllm.engine import VLLMEngine
 
+        config = replace(config, max_model_len=_served_context(loaded, config.max_model_len))
         engine = VLLMEngine(loaded.path, tokenizer=loaded.tokenizer, config=config)
         try:
             adapters = VLLMAdapterRouter(
@@ -214,8 +216,7 @@ class ModelService:
         except BaseException:
             engine.close()
             raise
-        max_context = min(loaded.max_context, engine.max_context)
-        return HostedModel(spec, loaded, engine, trainer, storage, step, max_context, adapters=adapters)
+        return HostedModel(spec, loaded, engine, trainer, storage, step, adapters=adapters)
 
     def get(self, name: str) -> HostedModel:
         hosted = self._models.get(name)
@@ -234,7 +235,9 @@ class ModelService:
         try:
             base, step = parse_served_name(name)
         except InvalidServedNameError as exc:
-            raise UnknownModelError(f"{exc}; served models: {self.model_names()}") from None
+            raise UnknownModelError(
+                f"the model {name!r} does not exist: {exc}; served models: {self.model_names()}"
+            ) from None
         hosted = self._models.get(base)
         if hosted is None:
             raise self._unknown(name)
@@ -250,7 +253,7 @@ class ModelService:
             engine=hosted.engine,
             tokenizer=hosted.loaded.tokenizer,
             adapter=adapter,
-            max_context=hosted.max_context,
+            max_context=hosted.engine.max_context,
         )
 
     def _adapter_for_step(self, hosted: HostedModel, name: str, step: int) -> str:
@@ -297,7 +300,7 @@ class ModelService:
             prepared = prepare_batch(
                 groups,
                 scale_rewards=config.scale_rewards,
-                max_context=hosted.loaded.max_context,
+                max_context=hosted.engine.max_context,
                 vocab_size=_vocab_size(hosted.loaded.model),
             )
             notify("prepare", prepared.metrics)
@@ -381,6 +384,13 @@ def untrained_reason(batch_metrics: dict[str, float], train_metrics: dict[str, f
         if n := batch_metrics.get(key, 0):
             parts.append(f"{int(n)} {what}")
     return "; ".join(parts) or "no example had a non-zero advantage"
+
+
+def _served_context(loaded: LoadedModel, cap: int | None) -> int:
+    """The prompt + completion limit an engine is built with: the model's own (`LoadedModel.max_context`),
+    lowered to the engine config's cap if one is set. The engine then owns it (`Engine.max_context`):
+    the server checks prompts against it and the trainer drops longer sequences by it."""
+    return loaded.max_context if cap is None else min(cap, loaded.max_context)
 
 
 def _vocab_size(model: Any) -> int:
