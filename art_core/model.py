@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Generic, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -36,7 +37,7 @@ from art_core.rollouts.groups import TrajectoryGroup
 from art_core.rollouts.summary import split_metrics
 from art_core.storage import ModelStorage, served_name, validate_name
 from art_core.training.art_args import apply_art_args
-from art_core.training.config import TrainConfig
+from art_core.training.config import LoRAConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +239,20 @@ class Model(BaseModel, Generic[ConfigT]):
         return False
 
 
+def _lora_config(lora: LoRAConfig | None, rank: int | None, alpha: int | None) -> LoRAConfig:
+    """`lora`, or a LoRAConfig from ART's `lora_rank`/`lora_alpha` (its defaults for what is not given)."""
+    if lora is not None and (rank is not None or alpha is not None):
+        raise ValueError(
+            "give the LoRA shape either as lora=LoRAConfig(...) or as lora_rank/lora_alpha, not both"
+        )
+    if lora is not None:
+        return lora
+    default = LoRAConfig()
+    return replace(
+        default, r=default.r if rank is None else rank, alpha=default.alpha if alpha is None else alpha
+    )
+
+
 class TrainableModel(Model[ConfigT], Generic[ConfigT]):
     """A LoRA on top of `base_model`, served for rollouts and trained on their trajectories.
 
@@ -255,10 +270,9 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
 
     base_model: str
     """A base model id (see the README's Models section), e.g. "smollm2-135m" or "tiny-random"."""
-    lora_rank: int = 8
-    """Rank of the LoRA adapter."""
-    lora_alpha: int = 16
-    """LoRA alpha (the adapter's scale is alpha / rank)."""
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    """The adapter's shape (rank, alpha, dropout, target modules, seed); `lora_rank`/`lora_alpha`
+    (the flat spelling, also accepted by the constructor and `_internal_config`) read its `r`/`alpha`."""
     trust_remote_code: bool = False
     """Let transformers run code shipped with the base model; off unless you trust it."""
     trainable: bool = True
@@ -268,6 +282,18 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
         if _internal_config is not None:
             data.update(_lora_from_internal_config(_internal_config))
         super().__init__(**data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_lora_fields(cls, data: Any) -> Any:
+        """`lora_rank=` / `lora_alpha=` (and `_internal_config`'s peft_args) mapped into `lora`."""
+        if not isinstance(data, dict) or not ({"lora_rank", "lora_alpha"} & data.keys()):
+            return data
+        data = dict(data)
+        data["lora"] = _lora_config(
+            data.get("lora"), data.pop("lora_rank", None), data.pop("lora_alpha", None)
+        )
+        return data
 
     def __repr__(self) -> str:
         return f"TrainableModel(project={self.project!r}, name={self.name!r}, base_model={self.base_model!r})"
@@ -289,14 +315,23 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
         self.inference_model_name = info.model_name
 
     @property
+    def lora_rank(self) -> int:
+        """ART's name for `lora.r`."""
+        return self.lora.r
+
+    @property
+    def lora_alpha(self) -> int:
+        """ART's name for `lora.alpha`."""
+        return self.lora.alpha
+
+    @property
     def spec(self) -> ModelSpec:
         """What a backend registers: the project, name, base model, LoRA shape and user config."""
         return ModelSpec(
             project=self.project,
             name=self.name,
             base_model=self.base_model,
-            lora_rank=self.lora_rank,
-            lora_alpha=self.lora_alpha,
+            lora=self.lora,
             trust_remote_code=self.trust_remote_code,
             config=self.model_dump(mode="json", include={"config"})["config"],
         )

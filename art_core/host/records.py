@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+from art_core.training.config import LoRAConfig
 
 WIRE_PREFIX = "/v1/art/models"
 """Where `art serve` mounts its training routes (`host.routes`), and where `RemoteBackend` sends."""
@@ -25,11 +27,24 @@ class ModelSpec(BaseModel):
     project: str
     name: str
     base_model: str
-    lora_rank: int = 8
-    lora_alpha: int = 16
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    """The adapter's shape (rank, alpha, dropout, target modules, seed); its defaults live there only."""
     trust_remote_code: bool = False
     config: Any = None
     """The model's user config as JSON values (`TrainableModel.config`), persisted in model.json."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_lora_fields(cls, data: Any) -> Any:
+        """ART's flat `lora_rank` / `lora_alpha` (and older clients' bodies) mapped into `lora`, once."""
+        if not isinstance(data, dict) or not ({"lora_rank", "lora_alpha"} & data.keys()):
+            return data
+        data = dict(data)
+        if "lora" in data:
+            raise ValueError("give the LoRA shape either as `lora` or as lora_rank/lora_alpha, not both")
+        flat = {"r": data.pop("lora_rank", None), "alpha": data.pop("lora_alpha", None)}
+        data["lora"] = {k: v for k, v in flat.items() if v is not None}  # validated as a LoRAConfig
+        return data
 
 
 class Named(Protocol):

@@ -46,7 +46,7 @@ from art_core.storage import (
 )
 from art_core.training.batch import prepare_batch
 from art_core.training.config import TrainConfig
-from art_core.training.lora import LoRAConfig, attach_lora
+from art_core.training.lora import attach_lora
 from art_core.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -156,10 +156,9 @@ class ModelService:
         loaded = load_model(spec.base_model, trust_remote_code=spec.trust_remote_code)
         if vllm_config is not None:
             loaded.model.to(self.serving.device())  # type: ignore[arg-type]  # transformers types `to` oddly
-        lora = LoRAConfig(r=spec.lora_rank, alpha=spec.lora_alpha)
-        peft_model = attach_lora(loaded.model, lora, adapter_name=LIVE_ADAPTER)
+        peft_model = attach_lora(loaded.model, spec.lora, adapter_name=LIVE_ADAPTER)
         storage = ModelStorage.create(self.base_path, spec.project, spec.name)
-        storage.write_json("model.json", spec.model_dump())
+        storage.write_json("model.json", spec.model_dump(mode="json"))
         trainer = Trainer(peft_model, pad_id=_pad_id(loaded), adapter_name=LIVE_ADAPTER, config=TrainConfig())
         step = storage.latest_step()
         if storage.steps():
@@ -187,9 +186,9 @@ class ModelService:
             raise ValueError(
                 "the service serves trained LoRA adapters: VLLMEngineConfig needs enable_lora=True"
             )
-        if spec.lora_rank > config.max_lora_rank:
+        if spec.lora.r > config.max_lora_rank:
             raise ValueError(
-                f"LoRA rank {spec.lora_rank} is above the vLLM engine's max_lora_rank {config.max_lora_rank}: "
+                f"LoRA rank {spec.lora.r} is above the vLLM engine's max_lora_rank {config.max_lora_rank}: "
                 "raise VLLMEngineConfig.max_lora_rank (art serve: --vllm-option max_lora_rank=N) or lower the rank"
             )
         return config
