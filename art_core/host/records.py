@@ -5,7 +5,7 @@
 (the path of the training routes). They cross the HTTP boundary between `RemoteBackend` and
 `art serve`, and the in-process one between `LocalBackend` and `ModelService`, so each is
 defined once here, below both. Left out: the routes themselves (`host.routes`) and the
-`Backend` protocol (`art_core.model`).
+`Backend` protocol (`art_core.model`, defined by its caller).
 """
 
 from __future__ import annotations
