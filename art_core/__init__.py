@@ -23,14 +23,15 @@ if TYPE_CHECKING:
     from art_core.backends.art_compat import ServerlessBackend as ServerlessBackend
     from art_core.backends.art_compat import ServerlessTrainResult as ServerlessTrainResult
     from art_core.backends.art_compat import TrainSFTConfig as TrainSFTConfig
-    from art_core.backends.base import Backend as Backend
-    from art_core.backends.base import TrainResult as TrainResult
     from art_core.backends.local import LocalBackend as LocalBackend
+    from art_core.host.records import TrainResult as TrainResult
+    from art_core.model import Backend as Backend
     from art_core.model import Model as Model
     from art_core.model import TrainableModel as TrainableModel
     from art_core.rollouts.batches import trajectory_group_batches as trajectory_group_batches
     from art_core.rollouts.dataset import DatasetBatch as DatasetBatch
     from art_core.rollouts.dataset import iterate_dataset as iterate_dataset
+    from art_core.rollouts.groups import TrajectoryGroup as TrajectoryGroup
     from art_core.rollouts.groups import gather_trajectories as gather_trajectories
     from art_core.rollouts.groups import gather_trajectory_groups as gather_trajectory_groups
     from art_core.rollouts.messages import Messages as Messages
@@ -38,37 +39,34 @@ if TYPE_CHECKING:
     from art_core.rollouts.records import History as History
     from art_core.rollouts.records import MessagesAndChoices as MessagesAndChoices
     from art_core.rollouts.records import Trajectory as Trajectory
-    from art_core.rollouts.records import TrajectoryGroup as TrajectoryGroup
     from art_core.rollouts.records import Turn as Turn
     from art_core.rollouts.retry import retry as retry
     from art_core.rollouts.unsupported import auto_trajectory as auto_trajectory
     from art_core.rollouts.unsupported import capture_auto_trajectory as capture_auto_trajectory
     from art_core.rollouts.yielded import capture_yielded_trajectory as capture_yielded_trajectory
     from art_core.rollouts.yielded import yield_trajectory as yield_trajectory
+    from art_core.training.config import LossConfig as LossConfig
     from art_core.training.config import TrainConfig as TrainConfig
-    from art_core.training.loss import LossConfig as LossConfig
 
 __all__, _getattr = lazy_exports(
     __name__,
     {
         "art_core.rollouts.records": (
             "Trajectory",
-            "TrajectoryGroup",
             "History",
             "Turn",
             "MessagesAndChoices",
         ),
         "art_core.rollouts.messages": ("Messages", "Tools"),
-        "art_core.rollouts.groups": ("gather_trajectory_groups", "gather_trajectories"),
+        "art_core.rollouts.groups": ("TrajectoryGroup", "gather_trajectory_groups", "gather_trajectories"),
         "art_core.rollouts.batches": ("trajectory_group_batches",),
         "art_core.rollouts.dataset": ("iterate_dataset", "DatasetBatch"),
         "art_core.rollouts.retry": ("retry",),
         "art_core.rollouts.yielded": ("yield_trajectory", "capture_yielded_trajectory"),
         "art_core.rollouts.unsupported": ("auto_trajectory", "capture_auto_trajectory"),
-        "art_core.training.config": ("TrainConfig",),
-        "art_core.training.loss": ("LossConfig",),
-        "art_core.model": ("Model", "TrainableModel"),
-        "art_core.backends.base": ("Backend", "TrainResult"),
+        "art_core.training.config": ("TrainConfig", "LossConfig"),
+        "art_core.model": ("Model", "TrainableModel", "Backend"),
+        "art_core.host.records": ("TrainResult",),
         "art_core.backends.local": ("LocalBackend",),
         "art_core.backends.art_compat": (
             "LocalTrainResult",

@@ -11,37 +11,69 @@ They are pydantic, not frozen dataclasses like our configs, because ART scripts 
 behaviour (`TrainableModel[Cfg]`, `model_copy(deep=True)` then edit `name` and `config`,
 `model_dump`) and because the model's description crosses process boundaries. The connection to a
 backend (backend, clients) is runtime state, not a field: a copy is never registered.
+
+It also holds `Backend`, the protocol these models call: a backend gets `model.spec` to
+register and the model's name for everything else, so backends never name these classes. Light:
+no torch or transformers at import (a `RemoteBackend` client stays small). Left out: capture (the
+rollout scope is `integrations.scope`; the request hooks are `art_core.capture`) and the wire
+records (`art_core.host.records`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
-from typing import Any, Generic
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Generic, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import to_json
 from typing_extensions import TypeVar
 
-from art_core.backends.base import Backend, InferenceInfo, ProgressCallback, TrainResult
-from art_core.capture import (
-    active_rollout,
-    add_rollout_header,
-    add_rollout_header_async,
-    rollout_base_url,
-    server_root,
-)
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.capture import active_rollout, request_hook, rollout_base_url, server_root
+from art_core.host.records import InferenceInfo, ModelRef, ModelSpec, ProgressCallback, TrainResult
+from art_core.rollouts.groups import TrajectoryGroup
 from art_core.rollouts.summary import split_metrics
-from art_core.storage import ModelStorage, validate_name
+from art_core.storage import ModelStorage, served_name, validate_name
 from art_core.training.art_args import apply_art_args
-from art_core.training.config import TrainConfig
+from art_core.training.config import LoRAConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
 
 ConfigT = TypeVar("ConfigT", default=Any)
 """The type of a model's user `config`; unparametrised (`TrainableModel(...)`) it is `Any`."""
+
+
+class Backend(Protocol):
+    """What a `TrainableModel` needs from a backend, by the model's name (`LocalBackend` in-process,
+    `RemoteBackend` over HTTP). Defined here, by its one caller, so backends never name the model.
+    Backends also take a model object where ART scripts pass one (`backend.train(model, ...)`): any
+    `ModelRef` (`art_core.host.records`) is read by its `name`."""
+
+    async def register(self, spec: ModelSpec) -> InferenceInfo: ...
+
+    async def train(
+        self,
+        model: ModelRef,
+        groups: Sequence[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        *,
+        on_progress: ProgressCallback | None = None,
+        **art_kwargs: Any,
+    ) -> TrainResult:
+        """One step; `config=None` with ART 0.5's keyword arguments (`learning_rate=...`) also works."""
+        ...
+
+    async def get_step(self, model: ModelRef) -> int: ...
+
+    async def list_checkpoints(self, model: ModelRef) -> list[int]: ...
+
+    async def delete_checkpoints(self, model: ModelRef, keep: Iterable[int]) -> list[int]: ...
+
+    async def history(self, model: ModelRef) -> list[dict[str, float]]: ...
+
+    async def close(self) -> None: ...
 
 
 class NotRegisteredError(RuntimeError):
@@ -134,7 +166,7 @@ class Model(BaseModel, Generic[ConfigT]):
     def get_inference_name(self, step: int | None = None) -> str:
         """The name to send to the endpoint; `name@step` for a checkpoint (ART's convention)."""
         name = self.inference_model_name or self.name
-        return name if step is None else f"{name}@{step}"
+        return served_name(name, step)
 
     def _endpoint(self) -> tuple[str, str]:
         if self.inference_base_url is None or self.inference_api_key is None:
@@ -207,6 +239,20 @@ class Model(BaseModel, Generic[ConfigT]):
         return False
 
 
+def _lora_config(lora: LoRAConfig | None, rank: int | None, alpha: int | None) -> LoRAConfig:
+    """`lora`, or a LoRAConfig from ART's `lora_rank`/`lora_alpha` (its defaults for what is not given)."""
+    if lora is not None and (rank is not None or alpha is not None):
+        raise ValueError(
+            "give the LoRA shape either as lora=LoRAConfig(...) or as lora_rank/lora_alpha, not both"
+        )
+    if lora is not None:
+        return lora
+    default = LoRAConfig()
+    return replace(
+        default, r=default.r if rank is None else rank, alpha=default.alpha if alpha is None else alpha
+    )
+
+
 class TrainableModel(Model[ConfigT], Generic[ConfigT]):
     """A LoRA on top of `base_model`, served for rollouts and trained on their trajectories.
 
@@ -224,10 +270,9 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
 
     base_model: str
     """A base model id (see the README's Models section), e.g. "smollm2-135m" or "tiny-random"."""
-    lora_rank: int = 8
-    """Rank of the LoRA adapter."""
-    lora_alpha: int = 16
-    """LoRA alpha (the adapter's scale is alpha / rank)."""
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    """The adapter's shape (rank, alpha, dropout, target modules, seed); `lora_rank`/`lora_alpha`
+    (the flat spelling, also accepted by the constructor and `_internal_config`) read its `r`/`alpha`."""
     trust_remote_code: bool = False
     """Let transformers run code shipped with the base model; off unless you trust it."""
     trainable: bool = True
@@ -237,6 +282,18 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
         if _internal_config is not None:
             data.update(_lora_from_internal_config(_internal_config))
         super().__init__(**data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_lora_fields(cls, data: Any) -> Any:
+        """`lora_rank=` / `lora_alpha=` (and `_internal_config`'s peft_args) mapped into `lora`."""
+        if not isinstance(data, dict) or not ({"lora_rank", "lora_alpha"} & data.keys()):
+            return data
+        data = dict(data)
+        data["lora"] = _lora_config(
+            data.get("lora"), data.pop("lora_rank", None), data.pop("lora_alpha", None)
+        )
+        return data
 
     def __repr__(self) -> str:
         return f"TrainableModel(project={self.project!r}, name={self.name!r}, base_model={self.base_model!r})"
@@ -251,11 +308,33 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
                 "on the backend, e.g. LocalBackend(serving=ServingConfig(...)) or `art serve` flags"
             )
         _check_json(self.config)
-        info = await backend.register(self)
+        info = await backend.register(self.spec)
         self._runtime = _Runtime()
         self._runtime.backend, self._runtime.info = backend, info
         self.inference_base_url, self.inference_api_key = info.base_url, info.api_key
         self.inference_model_name = info.model_name
+
+    @property
+    def lora_rank(self) -> int:
+        """ART's name for `lora.r`."""
+        return self.lora.r
+
+    @property
+    def lora_alpha(self) -> int:
+        """ART's name for `lora.alpha`."""
+        return self.lora.alpha
+
+    @property
+    def spec(self) -> ModelSpec:
+        """What a backend registers: the project, name, base model, LoRA shape and user config."""
+        return ModelSpec(
+            project=self.project,
+            name=self.name,
+            base_model=self.base_model,
+            lora=self.lora,
+            trust_remote_code=self.trust_remote_code,
+            config=self.model_dump(mode="json", include={"config"})["config"],
+        )
 
     @property
     def backend(self) -> Backend:
@@ -275,19 +354,20 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
 
     def get_inference_name(self, step: int | None = None) -> str:
         """`name` serves the latest weights; `name@step` a given checkpoint."""
-        return self.name if step is None else f"{self.name}@{step}"
+        return served_name(self.name, step)
 
     def openai_client(self) -> Any:
         """An `openai.AsyncOpenAI` pointed at our server (cached).
 
-        Inside a rollout scope (`integrations.scope.rollout`) its requests carry the rollout's
-        `X-Rollout-Id` header, so the server records them into that rollout.
+        Inside a rollout scope (`integrations.scope.rollout`) on this model's server its requests
+        carry the rollout's `X-Rollout-Id` header (`art_core.capture.tag_request`), so the server
+        records them into that rollout.
         """
         if self._runtime.client is None:
             from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
             info = self.inference
-            http_client = DefaultAsyncHttpxClient(event_hooks={"request": [add_rollout_header_async]})
+            http_client = DefaultAsyncHttpxClient(event_hooks={"request": [request_hook(is_async=True)]})
             self._runtime.client = AsyncOpenAI(
                 base_url=info.base_url,
                 api_key=info.api_key,
@@ -307,7 +387,7 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
             from openai import DefaultHttpxClient, OpenAI
 
             info = self.inference
-            http_client = DefaultHttpxClient(event_hooks={"request": [add_rollout_header]})
+            http_client = DefaultHttpxClient(event_hooks={"request": [request_hook(is_async=False)]})
             self._runtime.sync_client = OpenAI(
                 base_url=info.base_url,
                 api_key=info.api_key,
@@ -352,7 +432,7 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
         config = config or TrainConfig()
         if _config:
             config = apply_art_args(config, _config, where="TrainableModel.train(_config=...)")
-        result = await self.backend.train(self, list(groups), config, on_progress=on_progress)
+        result = await self.backend.train(self.name, list(groups), config, on_progress=on_progress)
         if not result.trained:
             logger.warning(
                 "step %d: %s", result.step, result.warnings[0] if result.warnings else "nothing trained"
@@ -362,13 +442,13 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
         return result
 
     async def get_step(self) -> int:
-        return await self.backend.get_step(self)
+        return await self.backend.get_step(self.name)
 
     async def history(self) -> list[dict[str, float]]:
-        return await self.backend.history(self)
+        return await self.backend.history(self.name)
 
     async def list_checkpoints(self) -> list[int]:
-        return await self.backend.list_checkpoints(self)
+        return await self.backend.list_checkpoints(self.name)
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "train/reward") -> list[int]:
         """Delete every checkpoint but the latest and the best by `best_checkpoint_metric`."""
@@ -379,7 +459,7 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
         keep = {await self.get_step()}
         if scored:
             keep.add(max(scored)[1])
-        return await self.backend.delete_checkpoints(self, keep)
+        return await self.backend.delete_checkpoints(self.name, keep)
 
     def _skip_train_split(self, split: str) -> bool:
         if split != "train":

@@ -7,9 +7,10 @@
     checkpoints/<step:04d>/        peft adapter + optimizer and RNG state (see `Trainer.save_state`)
     trajectories/<split>/<step:04d>.jsonl   one TrajectoryGroup per line
 ```
-Every write is atomic: a file is written to a temporary name in the same folder, fsynced and
-renamed over the target; a checkpoint folder is filled under a temporary name (`.tmp-...`) and
-renamed into place, so a crash leaves either the old state or the new one, never half of one.
+Every write is atomic (`art_core.atomic`, re-exported here): a file is written to a temporary name
+in the same folder, fsynced and renamed over the target; a checkpoint folder is filled under a
+temporary name (`.tmp-...`) and renamed into place, so a crash leaves either the old state or the
+new one, never half of one. Served names (`name`, `name@step`) are built and parsed here too.
 History lines are appended, flushed and fsynced; a torn last line (a crash mid-append) is skipped
 when reading.
 """
@@ -22,14 +23,14 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.atomic import atomic_dir, atomic_write_bytes, fsync_dir
+from art_core.rollouts.groups import TrajectoryGroup
 
 logger = logging.getLogger(__name__)
 
@@ -50,43 +51,30 @@ def validate_name(name: str, what: str) -> str:
     return name
 
 
-def _fsync_dir(path: Path) -> None:
-    """Persist a folder's entries (a rename into it); a no-op where folders cannot be opened (Windows)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+class InvalidServedNameError(ValueError):
+    """A served model name that is neither `name` nor `name@step` (step in ASCII digits)."""
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` atomically: temporary file in the same folder, fsync, rename, fsync folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(prefix=_TEMP_PREFIX + path.name + ".", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+def served_name(name: str, step: int | None = None) -> str:
+    """The name a model is served as: `name` for its latest weights, `name@step` for a checkpoint."""
+    return name if step is None else f"{name}@{int(step)}"
 
 
-def _fsync_tree(root: Path) -> None:
-    for folder, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as handle:
-                os.fsync(handle.fileno())
-        _fsync_dir(Path(folder))
+def parse_served_name(text: str) -> tuple[str, int | None]:
+    """`name` -> (name, None), `name@7` -> (name, 7); the one parser of served names.
+
+    Raises InvalidServedNameError for anything else (`name@`, `name@x`, `name@-1`, `name@1@2`, and
+    `name@²`, whose superscript `str.isdigit` accepts but `int` refuses).
+    """
+    name, sep, step_text = text.partition("@")
+    if not sep:
+        return name, None
+    if not (step_text.isascii() and step_text.isdigit()):
+        raise InvalidServedNameError(
+            f"{text!r} is not a served model name: use `name` for the latest weights or `name@step` "
+            "with the step in ASCII digits (e.g. 'agent-001@3')"
+        )
+    return name, int(step_text)
 
 
 def _json_safe(value: Any) -> Any:
@@ -158,16 +146,8 @@ class ModelStorage:
             )
         self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
         self._remove_temporaries(f"{_TEMP_PREFIX}{step:04d}-")
-        temp = self.checkpoints_dir / f"{_TEMP_PREFIX}{step:04d}-{uuid.uuid4().hex[:8]}"
-        temp.mkdir()
-        try:
+        with atomic_dir(final, temp_prefix=f"{_TEMP_PREFIX}{step:04d}-") as temp:
             write(temp)
-            _fsync_tree(temp)
-            os.rename(temp, final)
-        except BaseException:
-            shutil.rmtree(temp, ignore_errors=True)
-            raise
-        _fsync_dir(self.checkpoints_dir)
         return final
 
     def _remove_temporaries(self, prefix: str) -> None:
@@ -192,7 +172,7 @@ class ModelStorage:
             shutil.rmtree(doomed)
             deleted.append(step)
         if deleted:
-            _fsync_dir(self.checkpoints_dir)
+            fsync_dir(self.checkpoints_dir)
         return deleted
 
     def append_history(self, record: dict[str, Any]) -> None:
@@ -253,3 +233,16 @@ class ModelStorage:
         if not isinstance(data, dict):
             raise ValueError(f"{self._inside(relpath)} holds {type(data).__name__}, expected a JSON object")
         return data
+
+
+__all__ = [
+    "DEFAULT_BASE_DIR",
+    "InvalidServedNameError",
+    "ModelStorage",
+    "atomic_dir",
+    "atomic_write_bytes",
+    "fsync_dir",
+    "parse_served_name",
+    "served_name",
+    "validate_name",
+]

@@ -1,9 +1,15 @@
 """The rollout records at their ART-compatible path: a facade over `art_core.rollouts`.
 
-`records` holds Turn, History, Trajectory, TrajectoryGroup and ExceptionInfo; `groups` the gather.
+`records` holds Turn, History, Trajectory and ExceptionInfo; `groups` TrajectoryGroup and the gather.
 """
 
-from art_core.rollouts.groups import GatherError, GatherStats, gather_trajectories, gather_trajectory_groups
+from art_core.rollouts.groups import (
+    GatherError,
+    GatherStats,
+    TrajectoryGroup,
+    gather_trajectories,
+    gather_trajectory_groups,
+)
 from art_core.rollouts.messages import MessageList, Messages, Tools
 from art_core.rollouts.records import (
     ExceptionInfo,
@@ -12,7 +18,6 @@ from art_core.rollouts.records import (
     MessagesAndChoices,
     Tool,
     Trajectory,
-    TrajectoryGroup,
     Turn,
     message_or_choice,
     turn_from_choice,

@@ -51,7 +51,8 @@ def prompts(tokenizer: Any, count: int) -> list[list[int]]:
 
 def live_model() -> tuple[Any, Any]:
     from art_core.models.loading import load_model
-    from art_core.training.lora import LoRAConfig, attach_lora
+    from art_core.training.config import LoRAConfig
+    from art_core.training.lora import attach_lora
 
     loaded = load_model(MODEL)
     model = attach_lora(loaded.model, LoRAConfig(r=16, alpha=32), adapter_name="live")
@@ -65,8 +66,8 @@ def live_model() -> tuple[Any, Any]:
 
 
 async def one_round(engine: Any, ps: list[list[int]], tokens: int) -> tuple[float, float, int]:
+    from art_core.engine.config import GenerationRequest
     from art_core.engine.sampling import SamplingParams
-    from art_core.engine.torch.engine import GenerationRequest
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens)
     started, cpu = time.perf_counter(), time.process_time()
@@ -76,7 +77,8 @@ async def one_round(engine: Any, ps: list[list[int]], tokens: int) -> tuple[floa
 
 
 def engine_mode(model: Any, tokenizer: Any, mode: str, ps: list[list[int]], args: Any) -> dict[str, Any]:
-    from art_core.engine.torch.engine import EngineConfig, TorchEngine
+    from art_core.engine.config import EngineConfig
+    from art_core.engine.torch.engine import TorchEngine
 
     configs = {
         "peft-fp32": EngineConfig(merged_serving=False, stop_on_eos=False),

@@ -1,12 +1,12 @@
 """Process plumbing for the benchmarks: thread environments, ports, CPU pinning, CPU time, memory,
 logs, process groups, and the marked-line protocol between a benchmark and its worker processes.
 
-`thread_env` and `bind_cpus` set a child's threads; `free_port` finds a port on 127.0.0.1;
-`group_cpu_s` reads a process group's CPU seconds from /proc (None elsewhere); `stop_group` ends a
-server and its children (SIGINT, SIGTERM, then SIGKILL), so no process outlives a run on a shared
-machine; `log_tail` and `failure` quote a child's log when it fails; `emit` and `read_marked` carry
+`thread_env` and `bind_cpus` set a child's threads; `free_port` (a port on 127.0.0.1) and
+`stop_group` (end a server and its children: SIGINT, SIGTERM, then SIGKILL, so no process outlives a
+run on a shared machine) are `art_core.app.processes`'s, re-exported here; `group_cpu_s` reads a
+process group's CPU seconds from /proc (None elsewhere); `log_tail` and `failure` quote a child's log when it fails; `emit` and `read_marked` carry
 one JSON answer per marked stdout line. Left out: what any side runs (`serve_ours.py`,
-`serve_sequential.py`, `serve_vllm.py`). Standard library only. The figures these benchmarks print
+`serve_sequential.py`, `serve_vllm.py`). Standard library and `art_core.app` only. The figures these benchmarks print
 are collected in docs/benchmarks.md.
 """
 
@@ -16,11 +16,11 @@ import json
 import logging
 import os
 import re
-import signal
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
+
+from art_core.app import free_port, stop_group  # one home for ports and process groups
 
 MARK = "@@serve_throughput "
 """Starts a worker's stdout line that carries an answer (a JSON object with its `kind`)."""
@@ -111,12 +111,6 @@ def mem_available_gib() -> float | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def bind_cpus(threads: int) -> str:
     cpus = (
         sorted(os.sched_getaffinity(0))
@@ -126,19 +120,16 @@ def bind_cpus(threads: int) -> str:
     return ",".join(str(c) for c in cpus[:threads])
 
 
-def stop_group(proc: subprocess.Popen[Any]) -> None:
-    """End the server we started and its children (its own process group): SIGINT, then SIGTERM, SIGKILL."""
-    for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, 15)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    try:  # children that outlived the leader
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+__all__ = [
+    "MARK",
+    "bind_cpus",
+    "emit",
+    "failure",
+    "free_port",
+    "group_cpu_s",
+    "log_tail",
+    "mem_available_gib",
+    "read_marked",
+    "stop_group",
+    "thread_env",
+]

@@ -37,7 +37,7 @@ def worker_ours(args: argparse.Namespace) -> None:
     import torch
 
     from art_core.backends.local import LocalBackend
-    from art_core.engine.torch.engine import EngineConfig
+    from art_core.engine.config import EngineConfig
     from art_core.model import TrainableModel
     from art_core.models.loading import resolve_model_path
 

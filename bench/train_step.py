@@ -155,11 +155,11 @@ def _changed(before: dict[str, Any], named: list[tuple[str, Any]]) -> int:
 
 def worker_ours(args: argparse.Namespace, steps: Steps, data: dict[str, Any]) -> dict[str, Any]:
     from art_core.models.loading import load_model
-    from art_core.rollouts.records import Trajectory, TrajectoryGroup, Turn
+    from art_core.rollouts.groups import TrajectoryGroup
+    from art_core.rollouts.records import Trajectory, Turn
     from art_core.training.batch import prepare_batch
-    from art_core.training.config import TrainConfig
-    from art_core.training.lora import LoRAConfig, attach_lora
-    from art_core.training.loss import LossConfig
+    from art_core.training.config import LoRAConfig, LossConfig, TrainConfig
+    from art_core.training.lora import attach_lora
     from art_core.training.trainer import Trainer
 
     loaded = load_model(MODEL, dtype=_dtype(args.dtype))
@@ -205,7 +205,7 @@ def _trl_trainer(args: argparse.Namespace, max_steps: int, output_dir: str) -> A
     from trl import GRPOConfig, GRPOTrainer
 
     from art_core.models.loading import load_model
-    from art_core.training.lora import DEFAULT_TARGET_MODULES
+    from art_core.training.config import DEFAULT_TARGET_MODULES
 
     loaded = load_model(MODEL, dtype=_dtype(args.dtype))
     config = GRPOConfig(

@@ -1,8 +1,8 @@
 """The trained model's LangChain chat models: tagged with the rollout id, found, and watched.
 
-- Tagging (`chat_model`, `patch_chat_model`): an httpx request hook on the model's clients adds the
-  active rollout's `X-Rollout-Id` header to requests to the rollout's own server, and warns once per
-  server when a tagged model is called outside any rollout.
+- Tagging (`chat_model`, `patch_chat_model`): capture's one request hook (`art_core.capture.
+  install_hook`) on the model's clients adds the active rollout's `X-Rollout-Id` header to requests to
+  the rollout's own server, and warns once per server when a tagged model is called outside any rollout.
 - Finding (`find_chat_models`, `patch_reachable`): a bounded walk of a graph, runnable or function
   (nodes, sub-graphs, bindings, closures, the globals a function names) for ChatOpenAI models.
 - Watching (`_Watch`): a LangChain callback that counts a rollout's chat-model calls, to explain a
@@ -23,13 +23,12 @@ from collections import Counter
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import httpx
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.runnables import Runnable
 from langchain_core.tracers.context import register_configure_hook
 from langgraph.pregel import Pregel
 
-from art_core.capture import ROLLOUT_ID_HEADER, active_rollout, server_root
+from art_core.capture import install_hook, server_root
 from art_core.types import Trajectory
 from integrations.scope import NothingCapturedError
 
@@ -42,60 +41,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LLM = TypeVar("LLM", bound="BaseChatOpenAI")
-
-# -- the request hook ---------------------------------------------------------------------------
-
-_warned_servers: set[str] = set()
-
-
-def _tag(request: httpx.Request, warn_outside_scope: bool) -> None:
-    rollout_ = active_rollout()
-    if rollout_ is not None:
-        # A rollout records on its own server only; elsewhere the id would leave orphaned records.
-        on_its_server = str(request.url).startswith(rollout_.server_url + "/")
-        if on_its_server and ROLLOUT_ID_HEADER not in request.headers:
-            request.headers[ROLLOUT_ID_HEADER] = rollout_.id
-        return
-    server = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
-    if warn_outside_scope and "/rollouts/" not in request.url.path and server not in _warned_servers:
-        _warned_servers.add(server)
-        logger.warning(
-            "a chat model of the trained model at %s was called outside any rollout scope, so the call "
-            "is not captured for training. Invoke the graph inside a rollout: `langgraph_rollout(model)` "
-            "on the graph or on the function that invokes it, or `async with rollout(model)` (warned once "
-            "per server; pass warn_outside_scope=False for evaluation calls)",
-            server,
-        )
-
-
-class _TagRequests:
-    """httpx request hook: the rollout id inside a rollout scope, a one-time warning outside."""
-
-    def __init__(self, warn_outside_scope: bool) -> None:
-        self.warn_outside_scope = warn_outside_scope
-
-    def __call__(self, request: httpx.Request) -> None:
-        _tag(request, self.warn_outside_scope)
-
-
-class _TagRequestsAsync(_TagRequests):
-    async def __call__(self, request: httpx.Request) -> None:  # type: ignore[override]
-        _tag(request, self.warn_outside_scope)
-
-
-def _install_hook(client: Any, warn_outside_scope: bool) -> None:
-    """Add the tagging hook to an `openai.OpenAI`/`AsyncOpenAI` client's httpx client (idempotent)."""
-    http = getattr(client, "_client", None)
-    if http is None or not hasattr(http, "event_hooks"):
-        raise TypeError(f"expected an openai client with an httpx client, got {type(client).__name__}")
-    hooks = http.event_hooks
-    if any(isinstance(hook, _TagRequests) for hook in hooks["request"]):
-        return
-    is_async = inspect.iscoroutinefunction(http.send)
-    hook = (_TagRequestsAsync if is_async else _TagRequests)(warn_outside_scope)
-    hooks["request"] = [*hooks["request"], hook]
-    http.event_hooks = hooks
-
 
 # -- chat models --------------------------------------------------------------------------------
 
@@ -142,7 +87,7 @@ def patch_chat_model(llm: LLM, *, disable_streaming: bool = False, warn_outside_
             "chat_model(model) or point any client at scope.base_url"
         )
     for client in clients:
-        _install_hook(client, warn_outside_scope)
+        install_hook(client, warn_outside_scope=warn_outside_scope)
     if disable_streaming and not llm.streaming and llm.disable_streaming is False:
         llm.disable_streaming = True
     return llm

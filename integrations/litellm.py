@@ -3,8 +3,9 @@
 `model.litellm_completion_params()` called inside a scope already points `api_base` at the
 rollout-scoped URL, so `litellm.acompletion(**params, messages=...)` is captured as it is.
 Params built before the scope are not: pass them through `scoped_params(params)` (adds the
-`X-Rollout-Id` header as `extra_headers`), or call `completion`/`acompletion` from here, which do
-that for every call.
+`X-Rollout-Id` header as `extra_headers` when `api_base` is the rollout's own server, the rule of
+capture's one request hook), or call `completion`/`acompletion` from here, which do that for every
+call.
 
 LiteLLM 1.110 has no callback that can change the headers of a `completion` call
 (`async_pre_request_hook` only runs on the Anthropic messages path, and the logging hooks cannot
@@ -19,8 +20,10 @@ from art_core.capture import rollout_headers
 
 
 def scoped_params(params: dict[str, Any]) -> dict[str, Any]:
-    """A copy of LiteLLM kwargs that also sends the active rollout id (unchanged outside a scope)."""
-    headers = rollout_headers()
+    """A copy of LiteLLM kwargs that also sends the active rollout id to the rollout's own server
+    (unchanged outside a scope, and for any other `api_base`)."""
+    url = params.get("api_base") or params.get("base_url")
+    headers = rollout_headers(str(url)) if url else {}
     if not headers:
         return dict(params)
     return {**params, "extra_headers": {**(params.get("extra_headers") or {}), **headers}}

@@ -8,8 +8,9 @@ async with rollout(model) as scope:          # or decorate:  @rollout_scope(mode
 trajectory = scope.trajectory                 # messages, tools, exact token turns, reward
 ```
 
-Entering gives the rollout an id and makes it the active rollout (a contextvar, so concurrent
-rollouts in separate tasks never see each other's id). Requests carry the id as the
+Entering gives the rollout an id and makes it the active rollout (capture's one contextvar, which
+also holds the scope, so concurrent rollouts in separate tasks never see each other's id). Requests
+to the rollout's own server carry the id as the
 `X-Rollout-Id` header (`model.openai_client()`, `model.sync_openai_client()`,
 `integrations.openai.patch_client(client)`, `integrations.litellm.scoped_params(params)`), or in
 the URL (`scope.base_url`, and `model.litellm_completion_params()` called inside the scope).
@@ -29,7 +30,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from contextvars import ContextVar, Token
+from contextvars import Token
 from typing import TYPE_CHECKING, Any, ParamSpec, Self
 
 import httpx
@@ -39,6 +40,7 @@ from art_core.capture import (
     ActiveRollout,
     CallRecord,
     RolloutRecords,
+    active_rollout,
     histories_from_records,
     message_key,
     reset_active_rollout,
@@ -57,8 +59,6 @@ logger = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 
-_SCOPE: ContextVar[RolloutScope | None] = ContextVar("art_rollout_scope", default=None)
-
 
 class NothingCapturedError(RuntimeError):
     """A rollout scope ended without a single LLM call recorded by our server."""
@@ -70,7 +70,8 @@ class CaptureFetchError(RuntimeError):
 
 def current_scope() -> RolloutScope | None:
     """The innermost rollout scope of the current context, or None."""
-    return _SCOPE.get()
+    active = active_rollout()
+    return active.scope if active is not None else None
 
 
 class RolloutScope:
@@ -95,7 +96,7 @@ class RolloutScope:
         """What the server recorded, once the scope has exited."""
         self._trajectory: Trajectory | None = None
         self._build_on_exit = True
-        self._tokens: tuple[Token[ActiveRollout | None], Token[RolloutScope | None]] | None = None
+        self._token: Token[ActiveRollout | None] | None = None
 
     @property
     def base_url(self) -> str:
@@ -118,9 +119,9 @@ class RolloutScope:
 
     def __enter__(self) -> Self:
         """Enter a `with` block: for blocking code (`graph.invoke`); the exit fetches with blocking httpx."""
-        if self._tokens is not None:
+        if self._token is not None:
             raise RuntimeError("a RolloutScope can be entered only once; make a new one per rollout")
-        self._tokens = (set_active_rollout(ActiveRollout(self.id, self.server_url)), _SCOPE.set(self))
+        self._token = set_active_rollout(ActiveRollout(self.id, self.server_url, scope=self))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
@@ -146,10 +147,8 @@ class RolloutScope:
 
     def _leave(self) -> None:
         """The rollout is no longer the active one (before its records are fetched)."""
-        assert self._tokens is not None, "exit without enter"
-        active_token, scope_token = self._tokens
-        _SCOPE.reset(scope_token)
-        reset_active_rollout(active_token)
+        assert self._token is not None, "exit without enter"
+        reset_active_rollout(self._token)
 
     def _finish(self, exc: BaseException | None, fetched: list[CallRecord] | Exception) -> None:
         """The end of an exit, given what the fetch returned or raised.

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from art_core.app import free_port, log_tail, wait_healthy
 
 PROMPTS = [
     "Which fruit should I buy today?",
@@ -139,21 +138,10 @@ class Server:
             self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + SERVER_START_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"art serve exited with {self.process.returncode}:\n{self.tail()}")
-            try:
-                headers = {"Authorization": f"Bearer {API_KEY}"}
-                if httpx.get(f"{self.url}/health", headers=headers, timeout=2).is_success:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"art serve did not answer /health within {SERVER_START_S}s:\n{self.tail()}")
+        wait_healthy(self.url, self.process, self.log, api_key=API_KEY, timeout_s=SERVER_START_S)
 
     def tail(self, chars: int = 4000) -> str:
-        return self.log.read_text(errors="replace")[-chars:]
+        return log_tail(self.log, chars)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -173,7 +161,8 @@ def reward(completion_tokens: int, max_tokens: int, text: str) -> float:
 
 async def rollouts(client: Any, args: argparse.Namespace) -> tuple[list[Any], int, float]:
     """One group per prompt (n completions each) over HTTP; returns groups, completion tokens, seconds."""
-    from art_core.rollouts.records import Trajectory, TrajectoryGroup
+    from art_core.rollouts.groups import TrajectoryGroup
+    from art_core.rollouts.records import Trajectory
 
     async def group(prompt: str) -> TrajectoryGroup:
         messages: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
@@ -338,9 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = check_device(args)
     spec = pick_model(args.model)
     storage = Path(tempfile.mkdtemp(prefix="gpu_check_"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    port = free_port()
     command = serve_command(args, device, port, storage / ".art")
     print(f"[gpu_check] {' '.join(command)}", flush=True)
     server = Server(command, port, storage / "server.log")

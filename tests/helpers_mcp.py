@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from art_core.app import free_port
 from mcp_rl.connection import ServerConnection, ServerStartError
 from mcp_rl.server_spec import ServerSpec
 
@@ -25,12 +25,6 @@ def example_spec(**kwargs: object) -> ServerSpec:
 
 def fault_spec(*args: str) -> ServerSpec:
     return ServerSpec(command=sys.executable, args=(str(FAULT_SERVER), *args))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

@@ -1,6 +1,14 @@
-"""The command line: `cli` (`art demo`, `art runs`, `art report`, `art trajectories`, `art serve`;
-the `art` console script runs `art_core.app.cli:main`), `demo` (the fruit-stand demo), `plotting`
-(reward plots), and reading runs back: `runs`, `report` (HTML), `svg`, `trajectories_view`.
+"""The command line and the pieces around it: `cli` (`art demo`, `art runs`, `art report`,
+`art trajectories`, `art serve`; the `art` console script runs `art_core.app.cli:main`), `demo`
+(the fruit-stand demo), `plotting` (reward plots), reading runs back (`runs`, `report` (HTML),
+`svg`, `trajectories_view`) and `processes` (free ports, waiting for a server, stopping a process
+group).
 
-Nothing is exported here.
+Exports the `processes` helpers (`free_port`, `wait_healthy`, `stop_group`, `log_tail`,
+`ServerStartError`), which tests, scripts and benchmarks share; they import only the standard
+library and httpx.
 """
+
+from art_core.app.processes import ServerStartError, free_port, log_tail, stop_group, wait_healthy
+
+__all__ = ["ServerStartError", "free_port", "log_tail", "stop_group", "wait_healthy"]

@@ -17,8 +17,8 @@ from pathlib import Path
 from art_core.backends.local import LocalBackend
 from art_core.model import TrainableModel
 from art_core.rollouts.dataset import iterate_dataset
-from art_core.rollouts.groups import gather_trajectory_groups
-from art_core.rollouts.records import Trajectory, TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup, gather_trajectory_groups
+from art_core.rollouts.records import Trajectory
 from art_core.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)

@@ -6,10 +6,11 @@ Uses matplotlib's object API (`Figure` + the Agg canvas) so that importing this 
 
 from __future__ import annotations
 
+import io
 import math
-import os
-import tempfile
 from pathlib import Path
+
+from art_core.atomic import atomic_write_bytes
 
 
 def _series(history: list[dict[str, float]], key: str) -> list[tuple[float, dict[str, float]]]:
@@ -65,15 +66,7 @@ def plot_reward_curve(
     axes.grid(alpha=0.3)
     figure.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as file:
-            figure.savefig(file, format="png")
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
+    atomic_write_bytes(path, png.getvalue())
     return path

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from art_core.rollouts.records import Trajectory, TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup
+from art_core.rollouts.records import Trajectory
 from art_core.storage import ModelStorage, validate_name
 
 SUMMARY_KEYS = ("train/reward", "val/reward", "loss/train", "loss/grad_norm", "time/step_s")

@@ -1,5 +1,8 @@
 """Backends: where models are trained and served (`LocalBackend` in-process, `RemoteBackend` over HTTP).
 
+`local` (LocalBackend) and `remote` (RemoteBackend, its typed errors). Both take a `ModelSpec` to
+register and a model's name for the rest; the `Backend` protocol they implement is defined by its
+caller, `art_core.model`, and the records they exchange are `art_core.host.records`.
 Exports `Backend`, `LocalBackend`, `RemoteBackend`, `RemoteError`, `ServingConfig`, `TrainResult` and
 `InferenceInfo`. Lazy, so that `art_core.backends.remote` (a light HTTP client) never loads the
 in-process host and torch behind `LocalBackend`.
@@ -12,20 +15,21 @@ from typing import TYPE_CHECKING
 from art_core._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from art_core.backends.base import Backend as Backend
-    from art_core.backends.base import InferenceInfo as InferenceInfo
-    from art_core.backends.base import TrainResult as TrainResult
     from art_core.backends.local import LocalBackend as LocalBackend
     from art_core.backends.remote import RemoteBackend as RemoteBackend
     from art_core.backends.remote import RemoteError as RemoteError
+    from art_core.host.records import InferenceInfo as InferenceInfo
+    from art_core.host.records import TrainResult as TrainResult
     from art_core.host.service import ServingConfig as ServingConfig
+    from art_core.model import Backend as Backend
 
 __all__, __getattr__ = lazy_exports(
     __name__,
     {
-        "art_core.backends.base": ("Backend", "InferenceInfo", "TrainResult"),
+        "art_core.host.records": ("InferenceInfo", "TrainResult"),
         "art_core.backends.local": ("LocalBackend",),
         "art_core.backends.remote": ("RemoteBackend", "RemoteError"),
         "art_core.host.service": ("ServingConfig",),
+        "art_core.model": ("Backend",),
     },
 )

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
-from art_core.backends.base import TrainResult
+from art_core.host.records import TrainResult
 from art_core.rollouts.unsupported import NotSupportedError
 from art_core.training.art_args import ART_05_DEFAULTS, apply_art_args
 from art_core.training.config import TrainConfig

@@ -6,19 +6,16 @@ import asyncio
 import secrets
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from art_core.backends.art_compat import ArtBackendMixin, LocalTrainResult, log_result, resolve_train_config
-from art_core.backends.base import InferenceInfo, ModelSpec, ProgressCallback
 from art_core.capture import RolloutRecorder
 from art_core.engine.config import EngineConfig
+from art_core.host.records import InferenceInfo, ModelRef, ModelSpec, ProgressCallback, model_name
 from art_core.host.service import ModelService, ServingConfig
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup
 from art_core.server.app import ServerHandle, create_app, serve_in_thread
 from art_core.training.config import TrainConfig
-
-if TYPE_CHECKING:
-    from art_core.model import TrainableModel
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -72,14 +69,14 @@ class LocalBackend(ArtBackendMixin):
     def base_url(self) -> str:
         return self._ensure_server().url + "/v1"
 
-    async def register(self, model: TrainableModel) -> InferenceInfo:
-        await asyncio.to_thread(self.service.register, ModelSpec.from_model(model))
+    async def register(self, spec: ModelSpec) -> InferenceInfo:
+        await asyncio.to_thread(self.service.register, spec)
         server = self._ensure_server()
-        return InferenceInfo(base_url=server.url + "/v1", api_key=self.api_key, model_name=model.name)
+        return InferenceInfo(base_url=server.url + "/v1", api_key=self.api_key, model_name=spec.name)
 
     async def train(
         self,
-        model: TrainableModel,
+        model: ModelRef,
         groups: Sequence[TrajectoryGroup],
         config: TrainConfig | None = None,
         *,
@@ -88,26 +85,27 @@ class LocalBackend(ArtBackendMixin):
     ) -> LocalTrainResult:
         """One step on `groups`: `train(model, groups, config)`, or ART 0.5's
         `train(model, groups, learning_rate=..., ...)` (see `art_core.training.art_args`)."""
+        name = model_name(model)
         resolved, verbose = resolve_train_config(config, art_kwargs, where="LocalBackend.train")
-        result = await self.service.train(model.name, list(groups), resolved, on_progress)
+        result = await self.service.train(name, list(groups), resolved, on_progress)
         if config is None:
             log_result(result, verbose)
-        checkpoint = self.service.get(model.name).storage.checkpoint_dir(result.step)
+        checkpoint = self.service.get(name).storage.checkpoint_dir(result.step)
         return LocalTrainResult(
             **result.model_dump(), checkpoint_path=str(checkpoint) if checkpoint.exists() else None
         )
 
-    async def get_step(self, model: TrainableModel) -> int:
-        return self.service.get(model.name).step
+    async def get_step(self, model: ModelRef) -> int:
+        return self.service.get(model_name(model)).step
 
-    async def list_checkpoints(self, model: TrainableModel) -> list[int]:
-        return self.service.get(model.name).storage.steps()
+    async def list_checkpoints(self, model: ModelRef) -> list[int]:
+        return self.service.get(model_name(model)).storage.steps()
 
-    async def delete_checkpoints(self, model: TrainableModel, keep: Iterable[int]) -> list[int]:
-        return self.service.delete_checkpoints(model.name, keep)
+    async def delete_checkpoints(self, model: ModelRef, keep: Iterable[int]) -> list[int]:
+        return self.service.delete_checkpoints(model_name(model), keep)
 
-    async def history(self, model: TrainableModel) -> list[dict[str, float]]:
-        return self.service.get(model.name).storage.read_history()
+    async def history(self, model: ModelRef) -> list[dict[str, float]]:
+        return self.service.get(model_name(model)).storage.read_history()
 
     async def close(self) -> None:
         if self._server is not None:

@@ -22,21 +22,26 @@ import dataclasses
 import json
 import os
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
 
 import httpx
 from pydantic_core import to_jsonable_python
 
 from art_core.backends.art_compat import ArtBackendMixin, log_result, resolve_train_config
-from art_core.backends.base import InferenceInfo, ModelSpec, ProgressCallback, TrainResult
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.host.records import (
+    WIRE_PREFIX,
+    InferenceInfo,
+    ModelRef,
+    ModelSpec,
+    ProgressCallback,
+    TrainResult,
+    model_name,
+)
+from art_core.rollouts.groups import TrajectoryGroup
 from art_core.training.config import TrainConfig
 
-if TYPE_CHECKING:
-    from art_core.model import TrainableModel
-
-PREFIX = "/v1/art/models"
+PREFIX = WIRE_PREFIX
 DEFAULT_TIMEOUT_S = 3600.0
 NO_KEY = "no-key"
 """The API key handed to OpenAI clients when the server needs none (the client insists on one)."""
@@ -173,18 +178,18 @@ class RemoteBackend(ArtBackendMixin):
         return response.json()
 
     @staticmethod
-    def _path(model: TrainableModel, tail: str = "") -> str:
-        return f"{PREFIX}/{quote(model.name, safe='')}{tail}"
+    def _path(model: ModelRef, tail: str = "") -> str:
+        return f"{PREFIX}/{quote(model_name(model), safe='')}{tail}"
 
-    async def register(self, model: TrainableModel) -> InferenceInfo:
-        data = await self._call("POST", PREFIX, json=ModelSpec.from_model(model).model_dump())
+    async def register(self, spec: ModelSpec) -> InferenceInfo:
+        data = await self._call("POST", PREFIX, json=spec.model_dump(mode="json"))
         return InferenceInfo(
             base_url=data["base_url"], api_key=self.api_key or NO_KEY, model_name=data["model_name"]
         )
 
     async def train(
         self,
-        model: TrainableModel,
+        model: ModelRef,
         groups: Sequence[TrajectoryGroup],
         config: TrainConfig | None = None,
         *,
@@ -204,7 +209,7 @@ class RemoteBackend(ArtBackendMixin):
 
     async def _train(
         self,
-        model: TrainableModel,
+        model: ModelRef,
         groups: Sequence[TrajectoryGroup],
         config: TrainConfig,
         on_progress: ProgressCallback | None,
@@ -230,18 +235,18 @@ class RemoteBackend(ArtBackendMixin):
             "still have completed there: check `await model.get_step()`",
         )
 
-    async def get_step(self, model: TrainableModel) -> int:
+    async def get_step(self, model: ModelRef) -> int:
         return int((await self._call("GET", self._path(model, "/step")))["step"])
 
-    async def list_checkpoints(self, model: TrainableModel) -> list[int]:
+    async def list_checkpoints(self, model: ModelRef) -> list[int]:
         return [int(s) for s in (await self._call("GET", self._path(model, "/checkpoints")))["steps"]]
 
-    async def delete_checkpoints(self, model: TrainableModel, keep: Iterable[int]) -> list[int]:
+    async def delete_checkpoints(self, model: ModelRef, keep: Iterable[int]) -> list[int]:
         params = {"keep": [int(step) for step in keep]}
         data = await self._call("DELETE", self._path(model, "/checkpoints"), params=params)
         return [int(s) for s in data["deleted"]]
 
-    async def history(self, model: TrainableModel) -> list[dict[str, float]]:
+    async def history(self, model: ModelRef) -> list[dict[str, float]]:
         return list((await self._call("GET", self._path(model, "/history")))["history"])
 
     async def close(self) -> None:

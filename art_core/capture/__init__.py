@@ -7,9 +7,9 @@ over a header - is recorded server-side with the exact prompt ids, sampled ids a
 every choice. When the scope exits it fetches (and so frees) the records over HTTP and turns them
 into a `Trajectory` with `trajectory_from_records`, a pure function.
 
-This module holds the parts `art_core` needs without importing `integrations`:
-- the active-rollout contextvar and the httpx request hooks that attach its header
-  (used by the clients `TrainableModel` makes);
+This package holds the parts `art_core` needs without importing `integrations`:
+- `context`: the active rollout (one contextvar; the scope object hangs off it) and the one request
+  hook every door installs, which tags only requests to the rollout's own server;
 - `CallRecord` / `RolloutRecords` (pydantic: they cross HTTP) and `RolloutRecorder`, the bounded
   in-memory store behind the server's `/rollouts/...` routes;
 - `trajectory_from_records`: the main history is the longest conversation (ties: the latest call);
@@ -24,106 +24,35 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from pydantic import BaseModel, Field
 
+from art_core.capture.context import (
+    ROLLOUT_ID_HEADER,
+    ActiveRollout,
+    InvalidRolloutIdError,
+    active_rollout,
+    add_rollout_header,
+    add_rollout_header_async,
+    install_hook,
+    request_hook,
+    reset_active_rollout,
+    rollout_base_url,
+    rollout_headers,
+    server_root,
+    set_active_rollout,
+    tag_request,
+    validate_rollout_id,
+)
 from art_core.rollouts.records import History, Message, Tool, Trajectory, Turn, turn_from_choice
 
 logger = logging.getLogger(__name__)
-
-ROLLOUT_ID_HEADER = "X-Rollout-Id"
-"""The request header that names the rollout a chat completion belongs to."""
-
-_ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-class InvalidRolloutIdError(ValueError):
-    """A rollout id that is not 1-64 characters of letters, digits, `_` and `-`."""
-
-
-def validate_rollout_id(rollout_id: str) -> str:
-    """Return `rollout_id` if it is 1-64 characters of `[A-Za-z0-9_-]`, else raise InvalidRolloutIdError."""
-    if not isinstance(rollout_id, str) or not _ROLLOUT_ID_RE.fullmatch(rollout_id):
-        raise InvalidRolloutIdError(
-            f"invalid rollout id {rollout_id!r}: use 1-64 characters of letters, digits, '_' and '-'"
-        )
-    return rollout_id
-
-
-# -- the active rollout (client side) -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ActiveRollout:
-    """The rollout the current context belongs to."""
-
-    id: str
-    """The rollout id requests are recorded under."""
-    server_url: str
-    """Root URL of the server that records it, without `/v1` (e.g. `http://127.0.0.1:8000`)."""
-
-
-_ACTIVE: ContextVar[ActiveRollout | None] = ContextVar("art_active_rollout", default=None)
-
-
-def active_rollout() -> ActiveRollout | None:
-    """The rollout of the current context (task or thread started with a copied context), or None."""
-    return _ACTIVE.get()
-
-
-def set_active_rollout(rollout: ActiveRollout | None) -> Token[ActiveRollout | None]:
-    """Make `rollout` active in the current context; undo with `reset_active_rollout(token)`."""
-    return _ACTIVE.set(rollout)
-
-
-def reset_active_rollout(token: Token[ActiveRollout | None]) -> None:
-    _ACTIVE.reset(token)
-
-
-def rollout_headers() -> dict[str, str]:
-    """`{"X-Rollout-Id": id}` inside a rollout scope, else `{}`."""
-    rollout = _ACTIVE.get()
-    return {ROLLOUT_ID_HEADER: rollout.id} if rollout is not None else {}
-
-
-def add_rollout_header(request: httpx.Request) -> None:
-    """httpx request hook (sync clients): tag the request with the active rollout id, if any.
-
-    A header the caller set explicitly is left alone.
-    """
-    rollout = _ACTIVE.get()
-    if rollout is not None and ROLLOUT_ID_HEADER not in request.headers:
-        request.headers[ROLLOUT_ID_HEADER] = rollout.id
-
-
-async def add_rollout_header_async(request: httpx.Request) -> None:
-    """httpx request hook (async clients); see `add_rollout_header`."""
-    add_rollout_header(request)
-
-
-def server_root(base_url: str | None) -> str:
-    """The server's root URL from an OpenAI base URL ending in `/v1` (None: the model is not registered)."""
-    if base_url is None:
-        raise ValueError("no inference base URL: register the model first (`await model.register(backend)`)")
-    url = base_url.rstrip("/")
-    if not url.endswith("/v1"):
-        raise ValueError(f"expected an OpenAI base URL ending in '/v1', got {base_url!r}")
-    return url[: -len("/v1")]
-
-
-def rollout_base_url(base_url: str | None, rollout_id: str) -> str:
-    """The rollout-scoped OpenAI base URL: `<server>/rollouts/<id>/v1`."""
-    return f"{server_root(base_url)}/rollouts/{validate_rollout_id(rollout_id)}/v1"
-
 
 # -- records (cross HTTP) -----------------------------------------------------------------------
 
@@ -399,12 +328,15 @@ __all__ = [
     "add_rollout_header_async",
     "call_record",
     "histories_from_records",
+    "install_hook",
     "message_key",
+    "request_hook",
     "reset_active_rollout",
     "rollout_base_url",
     "rollout_headers",
     "server_root",
     "set_active_rollout",
+    "tag_request",
     "trajectory_from_records",
     "validate_rollout_id",
 ]

@@ -1,6 +1,6 @@
 """Inference engines: the `Engine` protocol the server calls, and its two implementations.
 
-`protocol` (Engine), `finish_reason` (FinishReason), `config` (GenerationRequest, EngineConfig, EngineStats), `errors`, `sampling`
+`protocol` (Engine, Completion), `finish_reason` (FinishReason), `config` (GenerationRequest, EngineConfig, EngineStats), `errors`, `sampling`
 (SamplingParams), `grammar` (constrained decoding) and `admission`; `torch/` holds TorchEngine
 (continuous batching, prefix cache, merged serving copy) and `vllm/` VLLMEngine.
 Lazy: the engines import torch (and vLLM where installed).
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from art_core.engine.errors import InvalidRequestError as InvalidRequestError
     from art_core.engine.errors import UnknownAdapterError as UnknownAdapterError
     from art_core.engine.finish_reason import FinishReason as FinishReason
+    from art_core.engine.protocol import Completion as Completion
     from art_core.engine.protocol import Engine as Engine
     from art_core.engine.sampling import SamplingParams as SamplingParams
-    from art_core.engine.torch.decoding import Completion as Completion
     from art_core.engine.torch.engine import TorchEngine as TorchEngine
     from art_core.engine.vllm.config import VLLMEngineConfig as VLLMEngineConfig
     from art_core.engine.vllm.engine import VLLMEngine as VLLMEngine
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__, __getattr__ = lazy_exports(
     __name__,
     {
-        "art_core.engine.protocol": ("Engine",),
+        "art_core.engine.protocol": ("Engine", "Completion"),
         "art_core.engine.config": ("GenerationRequest", "EngineConfig", "EngineStats"),
         "art_core.engine.sampling": ("SamplingParams",),
         "art_core.engine.finish_reason": ("FinishReason",),
@@ -43,7 +43,6 @@ __all__, __getattr__ = lazy_exports(
             "EngineClosedError",
             "EngineOverloadedError",
         ),
-        "art_core.engine.torch.decoding": ("Completion",),
         "art_core.engine.torch.engine": ("TorchEngine",),
         "art_core.engine.vllm.engine": ("VLLMEngine",),
         "art_core.engine.vllm.config": ("VLLMEngineConfig",),

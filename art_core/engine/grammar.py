@@ -7,8 +7,9 @@ after sampling it consumes the chosen token, and it says when the grammar is com
 only end-of-turn is allowed). The log-probs the engine reports stay the model's raw ones: the
 trainer scores the same tokens without the mask, so the two agree.
 
-Why llguidance: measured on this CPU it enforces numeric bounds and required fields (two other
-libraries did not), needs no other package, and masks a 49k vocabulary in ~0.1 ms per row.
+Why llguidance: it enforces numeric bounds and required fields (two other libraries did not) and
+needs no other package; its masking cost is in docs/benchmarks.md ("Constrained decoding").
+The Hermes tool-call tags come from `models.tool_format`.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from typing import Any
 
 import torch
 
+from art_core.models.tool_format import BLOCK_CLOSE, BLOCK_OPEN, END_OF_TURN
+
 _TOKENIZERS: dict[int, Any] = {}
 _LOCK = threading.Lock()
-
-TOOL_CALL_OPEN = "<tool_call>\n"
-TOOL_CALL_CLOSE = "\n</tool_call>"
 
 
 class GrammarError(ValueError):
@@ -49,7 +49,7 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     with _LOCK:
         cached = _TOKENIZERS.get(key)
         if cached is None:
-            eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+            eos = tokenizer.convert_tokens_to_ids(END_OF_TURN)
             if not isinstance(eos, int) or eos == tokenizer.unk_token_id:
                 eos = tokenizer.eos_token_id
             cached = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos))
@@ -107,7 +107,8 @@ def tool_call_grammar(
     `tool_choice="required"` allows any of `tools`; `{"type": "function", "function": {"name": n}}`
     allows only `n`. Arguments must satisfy the tool's parameter schema. `tag_ids` are the token
     ids of `<tool_call>` and `</tool_call>` when the tokenizer has them as single added tokens
-    (Qwen-style); then the grammar names those tokens instead of spelling the text.
+    (Qwen-style; `models.tool_format.tag_ids`); then the grammar names those tokens instead of
+    spelling the text.
     """
     if not tools:
         raise GrammarError("tool_choice requires a non-empty `tools` list")
@@ -127,7 +128,7 @@ def tool_call_grammar(
     schemas = [_call_schema(t) for t in chosen]
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     if tag_ids is None:
-        start = f"start: {json.dumps(TOOL_CALL_OPEN)} body {json.dumps(TOOL_CALL_CLOSE)}\n"
+        start = f"start: {json.dumps(BLOCK_OPEN)} body {json.dumps(BLOCK_CLOSE)}\n"
     else:
         start = f'start: <[{tag_ids[0]}]> "\\n" body "\\n" <[{tag_ids[1]}]>\n'
     lark = start + f"body: %json{json.dumps(body)}\n"
@@ -185,11 +186,3 @@ class RowConstraint:
     def finished(self) -> bool:
         """True once the grammar is complete and stopped (only end-of-turn may follow)."""
         return bool(self._matcher.is_stopped())
-
-
-def tool_tag_ids(tokenizer: Any) -> tuple[int, int] | None:
-    """Ids of `<tool_call>`/`</tool_call>` when the tokenizer has them as added tokens, else None."""
-    added = tokenizer.get_added_vocab()
-    if "<tool_call>" in added and "</tool_call>" in added:
-        return int(added["<tool_call>"]), int(added["</tool_call>"])
-    return None

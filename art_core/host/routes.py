@@ -41,19 +41,18 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
-from art_core.backends.base import ModelSpec, TrainResult
+from art_core.host.records import WIRE_PREFIX, ModelSpec, TrainResult
 from art_core.host.service import ModelService
-from art_core.models.loading import ModelNotFoundError
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup
 from art_core.server.app import create_app
-from art_core.server.errors import APIError
+from art_core.server.errors import APIError, http_error
 from art_core.server.middleware import MAX_CONCURRENT_REQUESTS
 from art_core.server.router import UnknownModelError
 from art_core.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "/v1/art/models"
+PREFIX = WIRE_PREFIX
 HEARTBEAT_S = 15.0
 """Seconds of silence in a train stream after which a heartbeat line is sent."""
 
@@ -130,17 +129,9 @@ def decode_train_config(data: dict[str, Any]) -> TrainConfig:
 
 
 def api_error(exc: BaseException) -> APIError:
-    """The HTTP error (OpenAI shape) for an exception raised while serving a training route."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, UnknownModelError):
-        return APIError(404, str(exc), param="model", code="model_not_found")
-    if isinstance(exc, ModelNotFoundError):
-        return APIError(400, str(exc), param="base_model", code="model_not_found")
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc))
-    logger.error("training route failed", exc_info=exc)
-    return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
+    """The HTTP error (OpenAI shape) for an exception raised while serving a training route
+    (`server.errors.http_error`; a ValueError there is the request's fault, a 400)."""
+    return http_error(exc, doing="the training route", bad_values_are_400=True)
 
 
 def _check_registered(service: ModelService, name: str) -> None:

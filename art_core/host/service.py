@@ -23,25 +23,31 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from art_core.backends.base import ModelSpec, ProgressCallback, TrainResult
 from art_core.engine.config import EngineConfig
 from art_core.engine.errors import UnknownAdapterError
 from art_core.engine.protocol import Engine
 from art_core.engine.torch.engine import TorchEngine
 from art_core.engine.vllm.config import VLLMEngineConfig, require_vllm
 from art_core.engine.vllm.router import VLLMAdapterRouter
+from art_core.host.records import ModelSpec, ProgressCallback, TrainResult
 from art_core.host.step_record import PhaseTimer, rollout_seconds, train_record
 from art_core.models.loading import LoadedModel, load_model
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup
 from art_core.server.router import ServedModel, UnknownModelError
-from art_core.storage import ModelStorage, validate_name
+from art_core.storage import (
+    InvalidServedNameError,
+    ModelStorage,
+    parse_served_name,
+    served_name,
+    validate_name,
+)
 from art_core.training.batch import prepare_batch
 from art_core.training.config import TrainConfig
-from art_core.training.lora import LoRAConfig, attach_lora
+from art_core.training.lora import attach_lora
 from art_core.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -93,8 +99,6 @@ class HostedModel:
     trainer: Trainer
     storage: ModelStorage
     step: int
-    max_context: int
-    """Prompt + completion token limit of what the engine serves."""
     train_lock: threading.Lock = field(default_factory=threading.Lock)
     step_adapters: dict[int, str] = field(default_factory=dict)
     """TorchEngine: older steps loaded as adapters `step<k>`, by step."""
@@ -153,10 +157,9 @@ class ModelService:
         loaded = load_model(spec.base_model, trust_remote_code=spec.trust_remote_code)
         if vllm_config is not None:
             loaded.model.to(self.serving.device())  # type: ignore[arg-type]  # transformers types `to` oddly
-        lora = LoRAConfig(r=spec.lora_rank, alpha=spec.lora_alpha)
-        peft_model = attach_lora(loaded.model, lora, adapter_name=LIVE_ADAPTER)
+        peft_model = attach_lora(loaded.model, spec.lora, adapter_name=LIVE_ADAPTER)
         storage = ModelStorage.create(self.base_path, spec.project, spec.name)
-        storage.write_json("model.json", spec.model_dump())
+        storage.write_json("model.json", spec.model_dump(mode="json"))
         trainer = Trainer(peft_model, pad_id=_pad_id(loaded), adapter_name=LIVE_ADAPTER, config=TrainConfig())
         step = storage.latest_step()
         if storage.steps():
@@ -165,8 +168,11 @@ class ModelService:
         else:
             storage.write_checkpoint(0, trainer.save_state)
         if vllm_config is None:
-            engine = TorchEngine(peft_model, loaded.tokenizer, self.engine_config)
-            hosted = HostedModel(spec, loaded, engine, trainer, storage, step, loaded.max_context)
+            config = replace(
+                self.engine_config, max_context=_served_context(loaded, self.engine_config.max_context)
+            )
+            engine = TorchEngine(peft_model, loaded.tokenizer, config)
+            hosted = HostedModel(spec, loaded, engine, trainer, storage, step)
         else:
             hosted = self._hosted_on_vllm(spec, loaded, trainer, storage, step, vllm_config)
         logger.info("registered %s (%s) in %.1fs", spec.name, spec.base_model, time.perf_counter() - started)
@@ -181,9 +187,9 @@ class ModelService:
             raise ValueError(
                 "the service serves trained LoRA adapters: VLLMEngineConfig needs enable_lora=True"
             )
-        if spec.lora_rank > config.max_lora_rank:
+        if spec.lora.r > config.max_lora_rank:
             raise ValueError(
-                f"LoRA rank {spec.lora_rank} is above the vLLM engine's max_lora_rank {config.max_lora_rank}: "
+                f"LoRA rank {spec.lora.r} is above the vLLM engine's max_lora_rank {config.max_lora_rank}: "
                 "raise VLLMEngineConfig.max_lora_rank (art serve: --vllm-option max_lora_rank=N) or lower the rank"
             )
         return config
@@ -200,6 +206,7 @@ class ModelService:
         """Start a VLLMEngine on the base weights and hot-load checkpoint `step` as `spec.name`."""
         from art_core.engine.vllm.engine import VLLMEngine
 
+        config = replace(config, max_model_len=_served_context(loaded, config.max_model_len))
         engine = VLLMEngine(loaded.path, tokenizer=loaded.tokenizer, config=config)
         try:
             adapters = VLLMAdapterRouter(
@@ -209,8 +216,7 @@ class ModelService:
         except BaseException:
             engine.close()
             raise
-        max_context = min(loaded.max_context, engine.max_context)
-        return HostedModel(spec, loaded, engine, trainer, storage, step, max_context, adapters=adapters)
+        return HostedModel(spec, loaded, engine, trainer, storage, step, adapters=adapters)
 
     def get(self, name: str) -> HostedModel:
         hosted = self._models.get(name)
@@ -226,7 +232,12 @@ class ModelService:
 
     # ---- ModelRouter --------------------------------------------------------------------
     def resolve(self, name: str) -> ServedModel:
-        base, _, step_text = name.partition("@")
+        try:
+            base, step = parse_served_name(name)
+        except InvalidServedNameError as exc:
+            raise UnknownModelError(
+                f"the model {name!r} does not exist: {exc}; served models: {self.model_names()}"
+            ) from None
         hosted = self._models.get(base)
         if hosted is None:
             raise self._unknown(name)
@@ -236,19 +247,16 @@ class ModelService:
                 adapter = hosted.adapters.resolve(name)
             except UnknownAdapterError as exc:
                 raise self._unknown(name) from exc
-        elif step_text:
-            adapter = self._adapter_for_step(hosted, name, step_text)
+        elif step is not None:
+            adapter = self._adapter_for_step(hosted, name, step)
         return ServedModel(
             engine=hosted.engine,
             tokenizer=hosted.loaded.tokenizer,
             adapter=adapter,
-            max_context=hosted.max_context,
+            max_context=hosted.engine.max_context,
         )
 
-    def _adapter_for_step(self, hosted: HostedModel, name: str, step_text: str) -> str:
-        if not (step_text.isascii() and step_text.isdigit()):  # int() rejects "²", which isdigit() accepts
-            raise self._unknown(name)
-        step = int(step_text)
+    def _adapter_for_step(self, hosted: HostedModel, name: str, step: int) -> str:
         if step == hosted.step:
             return LIVE_ADAPTER
         if step not in hosted.storage.steps():
@@ -264,7 +272,7 @@ class ModelService:
         names: list[str] = []
         for hosted in self._models.values():
             names.append(hosted.spec.name)
-            names.extend(f"{hosted.spec.name}@{s}" for s in hosted.storage.steps())
+            names.extend(served_name(hosted.spec.name, s) for s in hosted.storage.steps())
         return names
 
     # ---- training -----------------------------------------------------------------------
@@ -293,7 +301,7 @@ class ModelService:
             prepared = prepare_batch(
                 groups,
                 scale_rewards=config.scale_rewards,
-                max_context=hosted.loaded.max_context,
+                max_context=hosted.engine.max_context,
                 vocab_size=_vocab_size(hosted.loaded.model),
             )
             notify("prepare", prepared.metrics)
@@ -377,6 +385,13 @@ def untrained_reason(batch_metrics: dict[str, float], train_metrics: dict[str, f
         if n := batch_metrics.get(key, 0):
             parts.append(f"{int(n)} {what}")
     return "; ".join(parts) or "no example had a non-zero advantage"
+
+
+def _served_context(loaded: LoadedModel, cap: int | None) -> int:
+    """The prompt + completion limit an engine is built with: the model's own (`LoadedModel.max_context`),
+    lowered to the engine config's cap if one is set. The engine then owns it (`Engine.max_context`):
+    the server checks prompts against it and the trainer drops longer sequences by it."""
+    return loaded.max_context if cap is None else min(cap, loaded.max_context)
 
 
 def _vocab_size(model: Any) -> int:

@@ -1,9 +1,9 @@
-"""The chat format: a ChatML template with Hermes-style tool calls, and its parser.
+"""The chat template: ChatML with Hermes-style tool calls, and rendering OpenAI messages with it.
 
-Tool calls travel as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks inside
-assistant text (Qwen2.5 / Hermes style). Models whose own template cannot render tools
-(SmolLM2) get `HERMES_TOOL_TEMPLATE`; `parse_tool_calls` turns sampled text back into OpenAI
-`tool_calls`, and `tool_call_text` is the exact inverse the template uses for rendering.
+Holds `HERMES_TOOL_TEMPLATE` (for models whose own template cannot render tools, e.g. SmolLM2),
+`ensure_tool_template` (which template a tokenizer keeps, by a probe render) and `render_prompt`
+/ `render_text`. The tool-call format itself (tags, `format_calls`, `parse_calls`) is
+`models.tool_format`; the template renders calls exactly as `format_calls` writes them.
 
 Exact-token property: an assistant message with plain content renders as the generation
 prompt `<|im_start|>assistant\\n`, the content, then `<|im_end|>`, so prompt + sampled tokens
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-import uuid
 from typing import Any
+
+from art_core.models.tool_format import END_OF_TURN, OPEN, parse_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +104,6 @@ def hermes_tool_template(default_system: str = "") -> str:
 HERMES_TOOL_TEMPLATE: str = hermes_tool_template("")
 """ChatML + Hermes tool calls, no default system prompt (a system turn appears only when given or with tools)."""
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
 _PROBE = "art_probe_7f3a"
 _PROBE_TOOLS = [
     {
@@ -154,9 +152,9 @@ def _default_system_of(tokenizer: Any) -> str:
     except Exception:
         return ""
     head = "<|im_start|>system\n"
-    if not text.startswith(head) or "<|im_end|>" not in text:
+    if not text.startswith(head) or END_OF_TURN not in text:
         return ""
-    return str(text[len(head) : text.index("<|im_end|>")])
+    return str(text[len(head) : text.index(END_OF_TURN)])
 
 
 def ensure_tool_template(tokenizer: Any) -> None:
@@ -167,10 +165,10 @@ def ensure_tool_template(tokenizer: Any) -> None:
     """
     text = _probe_render(tokenizer)
     if text is not None and all(f"{_PROBE}_{s}" in text for s in ("tool", "argument", "result")):
-        if "<tool_call>" not in text:
+        if OPEN not in text:
             logger.warning(
                 "Keeping the model's own tool template, but it does not use <tool_call> blocks; "
-                "parse_tool_calls will not find tool calls in its completions."
+                "parse_calls will not find tool calls in its completions."
             )
         return
     default_system = _default_system_of(tokenizer)
@@ -189,16 +187,6 @@ def _content_text(content: Any) -> str:
     return json.dumps(content, ensure_ascii=False)
 
 
-def _parse_arguments(arguments: Any) -> Any:
-    """OpenAI's JSON-string arguments as an object for rendering; a non-JSON string is kept verbatim."""
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments
-    return {} if arguments is None else arguments
-
-
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Copies of OpenAI messages the way templates expect them: text content, arguments as objects."""
     out = []
@@ -210,7 +198,7 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for call in m["tool_calls"]:
                 call = dict(call)
                 fn = dict(call.get("function", call))
-                fn["arguments"] = _parse_arguments(fn.get("arguments"))
+                fn["arguments"] = parse_arguments(fn.get("arguments"))
                 call["function"] = fn
                 calls.append(call)
             m["tool_calls"] = calls
@@ -246,66 +234,3 @@ def render_prompt(
     """Token ids of the rendered conversation (special tokens as written by the template, nothing added)."""
     text = render_text(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt)
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _call_json(name: str, arguments: Any) -> str:
-    """The JSON object inside a `<tool_call>` block, formatted exactly as the template does."""
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ' + args + "}"
-
-
-def tool_call_text(tool_calls: list[dict[str, Any]]) -> str:
-    """The assistant text for `tool_calls` (OpenAI format or `{name, arguments}`), as the template renders it."""
-    blocks = []
-    for call in tool_calls:
-        fn = call.get("function", call)
-        blocks.append(
-            "<tool_call>\n" + _call_json(fn["name"], _parse_arguments(fn.get("arguments"))) + "\n</tool_call>"
-        )
-    return "\n".join(blocks)
-
-
-def _tool_call_from_json(body: str) -> dict[str, Any] | None:
-    """An OpenAI tool call from the JSON inside a block, or None when it is not a valid call."""
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    arguments = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(arguments, str):
-        try:
-            if not isinstance(json.loads(arguments), dict):
-                return None
-        except json.JSONDecodeError:
-            return None
-    elif isinstance(arguments, dict):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    else:
-        return None
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": obj["name"], "arguments": arguments},
-    }
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Split completion text into (content without the valid tool-call blocks or None, OpenAI tool calls).
-
-    Blocks whose JSON is malformed, or that lack a name, stay in the content; no exception is raised.
-    """
-    calls: list[dict[str, Any]] = []
-    pieces: list[str] = []
-    last = 0
-    for match in _TOOL_CALL_RE.finditer(text):
-        call = _tool_call_from_json(match.group(1))
-        if call is None:
-            continue
-        calls.append(call)
-        pieces.append(text[last : match.start()])
-        last = match.end()
-    pieces.append(text[last:])
-    content = "".join(pieces).strip()
-    return (content or None), calls

@@ -41,6 +41,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from art_core.atomic import atomic_dir, fsync_dir
+from art_core.models import tool_format
 from art_core.models.chat_template import HERMES_TOOL_TEMPLATE, ensure_tool_template
 
 logger = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ _TINY_RE = re.compile(r"tiny-random(?:-(\d+))?")
 _HUB_ID_RE = re.compile(r"[\w.-]+/[\w.-]+")
 _MARKER = ".art_complete.json"
 _FORMAT_VERSION = 2  # bump when a build recipe changes: cached folders are rebuilt
-_END_OF_TURN = "<|im_end|>"
+_END_OF_TURN = tool_format.END_OF_TURN
 _PAD = "<|endoftext|>"
 
 
@@ -273,6 +275,7 @@ def _fetch_smollm2(target: Path) -> None:
                 dst.flush()
                 os.fsync(dst.fileno())
         os.replace(partial, target)
+    fsync_dir(target.parent)
 
 
 def _models_dir(cache_dir: Path | None) -> Path:
@@ -327,8 +330,8 @@ _TINY_CORPUS_MODULES = (
     "random", "secrets", "shlex", "shutil", "statistics", "string", "tempfile", "textwrap", "threading",
     "timeit", "tokenize", "traceback", "typing", "uuid", "warnings", "weakref", "zipfile",
 )  # fmt: skip
-_TINY_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-_TINY_TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+_TINY_SPECIAL = ("<|endoftext|>", "<|im_start|>", tool_format.END_OF_TURN)
+_TINY_TOOL_TAGS = tool_format.TAGS
 _TINY_VOCAB = 2048
 
 
@@ -432,19 +435,6 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(folder: Path) -> None:
-    for path in [*folder.rglob("*"), folder]:
-        _fsync(path)
-
-
 def _cached_build(target: Path, source: dict[str, Any], build: Callable[[Path], object]) -> Path:
     """`target`, built by `build(tmp_folder)` and renamed into place unless a complete build exists."""
     if _is_complete(target, source):
@@ -456,21 +446,10 @@ def _cached_build(target: Path, source: dict[str, Any], build: Callable[[Path], 
         for pattern in (f".{target.name}.tmp-*", f".{target.name}.old-*"):  # left by a crashed build
             for stale in target.parent.glob(pattern):
                 shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
         start = time.perf_counter()
-        try:
+        # An outdated or foreign folder at `target` is moved aside, then swapped.
+        with atomic_dir(target, temp_prefix=f".{target.name}.tmp-", replace=True) as tmp:
             build(tmp)
             (tmp / _MARKER).write_text(json.dumps({"source": source, "format": _FORMAT_VERSION}))
-            _fsync_tree(tmp)
-            if target.exists():  # an outdated or foreign folder: move it aside, then swap
-                os.rename(target, old)
-            os.rename(tmp, target)
-            _fsync(target.parent)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
         logger.info("Cached %s in %.1f s", target, time.perf_counter() - start)
     return target

@@ -20,8 +20,7 @@ import asyncio
 import math
 from collections.abc import AsyncIterator, Awaitable, Iterable
 
-from art_core.rollouts.groups import GatherError, gather_trajectory_groups
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.rollouts.groups import GatherError, TrajectoryGroup, gather_trajectory_groups
 
 
 async def _run(group: TrajectoryGroup | Awaitable[TrajectoryGroup]) -> TrajectoryGroup:

@@ -1,4 +1,7 @@
-"""Running rollouts: every pending awaitable of every group, concurrently, with an exception budget.
+"""Groups of rollouts and running them: `TrajectoryGroup`, and the gather with an exception budget.
+
+`TrajectoryGroup` is a record (trajectories, exceptions, metrics) and a container of pending
+rollouts whose `await` runs this module's gather, so it lives here, beside the gather.
 
 `gather_trajectory_groups` mirrors ART's function of the same name:
 - every pending rollout of every group runs concurrently (at most `max_concurrency` at once);
@@ -23,14 +26,66 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from art_core.rollouts.records import ExceptionInfo, Trajectory, TrajectoryGroup
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
+
+from art_core.rollouts.progress import GatherProgress
+from art_core.rollouts.records import ExceptionInfo, Trajectory
 
 logger = logging.getLogger(__name__)
+
+
+class TrajectoryGroup(BaseModel):
+    """Trajectories of the same scenario, compared with each other by GRPO.
+
+    Built from finished trajectories, or from awaitables of them: then `await group` (or
+    `gather_trajectory_groups`) runs them and keeps failures in `exceptions`.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    trajectories: list[Trajectory] = Field(default_factory=list)
+    exceptions: list[ExceptionInfo] = Field(default_factory=list)
+    metadata: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+    metrics: dict[str, float | int | bool] = Field(default_factory=dict)
+    logs: list[str] = Field(default_factory=list)
+    pending: SkipJsonSchema[list[Awaitable[Trajectory]]] = Field(
+        default_factory=list, exclude=True, repr=False
+    )
+
+    def __init__(
+        self,
+        trajectories: Iterable[Trajectory | dict[str, Any] | Awaitable[Trajectory]] = (),
+        **kwargs: Any,
+    ) -> None:
+        done: list[Trajectory] = []
+        pending: list[Awaitable[Trajectory]] = list(kwargs.pop("pending", []))
+        for item in trajectories:
+            if isinstance(item, Trajectory):
+                done.append(item)
+            elif isinstance(item, dict):
+                done.append(Trajectory.model_validate(item))
+            else:
+                pending.append(item)
+        super().__init__(trajectories=done, pending=pending, **kwargs)
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        async def run() -> TrajectoryGroup:
+            groups = await gather_trajectory_groups([self], pbar=False)
+            return groups[0]
+
+        return run().__await__()
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __iter__(self):  # type: ignore[no-untyped-def, override]
+        return iter(self.trajectories)
+
 
 AfterEach = Callable[
     [TrajectoryGroup],
@@ -66,54 +121,6 @@ class GatheredGroups(list[TrajectoryGroup]):
     """The list of groups `gather_trajectory_groups` returns, with its `stats` attached."""
 
     stats: GatherStats
-
-
-class _Progress:
-    """A rich progress bar on stderr: rollouts done, running mean reward, exception count."""
-
-    def __init__(self, description: str) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.description = description
-        self.bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=Console(stderr=True),
-            transient=False,
-        )
-        self.task = self.bar.add_task(description, total=0)
-        self.exceptions = 0
-        self._reward_sum = 0.0
-        self._rewarded = 0
-
-    @classmethod
-    @contextmanager
-    def open(cls, description: str, enabled: bool) -> Iterator[_Progress | None]:
-        if not enabled:
-            yield None
-            return
-        progress = cls(description)
-        with progress.bar:
-            yield progress
-
-    def add_total(self, n: int) -> None:
-        total = self.bar.tasks[0].total or 0
-        self.bar.update(self.task, total=total + n)
-
-    def advance(self, reward: float | None) -> None:
-        """One rollout finished (reward None: it failed or is not scored yet)."""
-        if reward is not None and math.isfinite(reward):
-            self._reward_sum += reward
-            self._rewarded += 1
-        mean = f"{self._reward_sum / self._rewarded:.3f}" if self._rewarded else "-"
-        self.bar.update(
-            self.task,
-            advance=1,
-            description=f"{self.description} reward={mean} exceptions={self.exceptions}",
-        )
 
 
 _Handler = Callable[[int, int, Any, "BaseException | None"], None]
@@ -235,7 +242,7 @@ class _Gather:
         budget: _Budget,
         semaphore: asyncio.Semaphore | None,
         after_each: AfterEach | None,
-        progress: _Progress | None,
+        progress: GatherProgress | None,
     ) -> None:
         self.inputs = inputs
         self.slots = [_Slot() for _ in inputs]
@@ -412,7 +419,7 @@ async def gather_trajectory_groups(
         raise ValueError(f"max_concurrency must be None or >= 1, got {max_concurrency}")
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency is not None else None
     started = time.perf_counter()
-    with _Progress.open(pbar_desc, enabled=pbar) as progress:
+    with GatherProgress.open(pbar_desc, enabled=pbar) as progress:
         gather = _Gather(list(groups), budget, semaphore, after_each, progress)
         result = GatheredGroups(await gather.run())
     result.stats = GatherStats(

@@ -1,4 +1,4 @@
-"""The data that flows through the loop: token records, trajectories and groups.
+"""The data that flows through the loop: token records, histories and trajectories.
 
 A `Trajectory` is what one rollout produced: the chat messages (with tool calls and tool
 results), the exact token records our server returned for every sampled turn, a reward and
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 import traceback as traceback_module
-from collections.abc import Awaitable, Iterable, MutableSequence
+from collections.abc import Iterable, MutableSequence
 from typing import Annotated, Any, overload
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -247,56 +247,6 @@ class ExceptionInfo(BaseModel):
             message=str(exc),
             traceback="".join(traceback_module.format_exception(exc)),
         )
-
-
-class TrajectoryGroup(BaseModel):
-    """Trajectories of the same scenario, compared with each other by GRPO.
-
-    Built from finished trajectories, or from awaitables of them: then `await group` (or
-    `gather_trajectory_groups`) runs them and keeps failures in `exceptions`.
-    """
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    trajectories: list[Trajectory] = Field(default_factory=list)
-    exceptions: list[ExceptionInfo] = Field(default_factory=list)
-    metadata: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
-    metrics: dict[str, float | int | bool] = Field(default_factory=dict)
-    logs: list[str] = Field(default_factory=list)
-    pending: SkipJsonSchema[list[Awaitable[Trajectory]]] = Field(
-        default_factory=list, exclude=True, repr=False
-    )
-
-    def __init__(
-        self,
-        trajectories: Iterable[Trajectory | dict[str, Any] | Awaitable[Trajectory]] = (),
-        **kwargs: Any,
-    ) -> None:
-        done: list[Trajectory] = []
-        pending: list[Awaitable[Trajectory]] = list(kwargs.pop("pending", []))
-        for item in trajectories:
-            if isinstance(item, Trajectory):
-                done.append(item)
-            elif isinstance(item, dict):
-                done.append(Trajectory.model_validate(item))
-            else:
-                pending.append(item)
-        super().__init__(trajectories=done, pending=pending, **kwargs)
-
-    def __await__(self):  # type: ignore[no-untyped-def]
-        from art_core.rollouts.groups import gather_trajectory_groups
-
-        async def run() -> TrajectoryGroup:
-            groups = await gather_trajectory_groups([self], pbar=False)
-            return groups[0]
-
-        return run().__await__()
-
-    def __len__(self) -> int:
-        return len(self.trajectories)
-
-    def __iter__(self):  # type: ignore[no-untyped-def, override]
-        return iter(self.trajectories)
 
 
 class MessagesAndChoices(MutableSequence[Any]):

@@ -6,7 +6,8 @@ import math
 import statistics
 from collections.abc import Iterable
 
-from art_core.rollouts.records import Trajectory, TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup
+from art_core.rollouts.records import Trajectory
 
 
 def _mean(values: list[float]) -> float:

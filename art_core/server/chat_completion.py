@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from art_core.engine.config import GenerationRequest
-from art_core.engine.torch.decoding import Completion
+from art_core.engine.protocol import Completion
 from art_core.models.chat_template import render_prompt
 from art_core.server.errors import APIError, engine_call
 from art_core.server.openai_format import (

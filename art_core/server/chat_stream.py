@@ -26,6 +26,7 @@ from starlette.background import BackgroundTask
 from art_core.engine.config import GenerationRequest
 from art_core.engine.detokenizer import IncrementalDetokenizer, held_prefix, settled_text
 from art_core.engine.torch.streaming import DeltaStream, RowDelta, token_stream
+from art_core.models import tool_format
 from art_core.server.chat_completion import PreparedChat, chat_choice, prepare_chat
 from art_core.server.errors import engine_call, engine_error
 from art_core.server.openai_format import ChatChoice, ChatCompletionRequest, build_response, logprobs_of
@@ -33,8 +34,8 @@ from art_core.server.router import ModelRouter, ServedModel
 
 logger = logging.getLogger(__name__)
 
-TOOL_CALL_TAG = "<tool_call>"
-"""Where streamed content stops when tool calls are parsed (the Hermes format, `chat_template`)."""
+TOOL_CALL_TAG = tool_format.OPEN
+"""Where streamed content stops when tool calls are parsed (the Hermes format, `models.tool_format`)."""
 
 
 class StreamTextError(RuntimeError):

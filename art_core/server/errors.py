@@ -2,8 +2,10 @@
 
 `APIError` is what the server's code raises; the handlers `install_error_handlers` adds turn it,
 FastAPI's validation errors, Starlette's HTTP errors and unexpected exceptions into that shape.
-`engine_error` maps what an engine raises to its status: a prompt that does not fit 400, an unknown
-adapter 404, a full engine 429 and a closed one 503 (both with `Retry-After`), anything else 500.
+`http_error` is the one exception-to-status ladder, for the OpenAI routes (`engine_error`, what an
+engine raises) and the training routes of `host.routes` alike: a prompt that does not fit 400, an
+unknown model or adapter 404, a full engine 429 and a closed one 503 (both with `Retry-After`),
+anything else 500.
 `JSONResponse` writes text that is not valid Unicode as `\\u` escapes instead of failing.
 """
 
@@ -26,6 +28,8 @@ from art_core.engine.errors import (
     InvalidRequestError,
     UnknownAdapterError,
 )
+from art_core.models.loading import ModelNotFoundError
+from art_core.server.router import UnknownModelError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,14 +85,24 @@ async def engine_call(call: Awaitable[T]) -> T:
         raise engine_error(exc) from exc
 
 
-def engine_error(exc: Exception) -> APIError:
-    """The HTTP error for an exception an engine raised."""
+def http_error(
+    exc: BaseException, *, doing: str = "generation", bad_values_are_400: bool = False
+) -> APIError:
+    """The HTTP error (OpenAI shape) for an exception raised while serving a request: the one ladder.
+
+    A prompt that does not fit 400; an unknown model or adapter 404; an unknown base model 400; a full
+    engine 429 and a closed one 503 (both with `Retry-After`); an invalid request 400; with
+    `bad_values_are_400` (the training routes: configs and rewards are checked by raising ValueError)
+    any ValueError 400; anything else 500, logged as `doing` failing.
+    """
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), param="messages", code="context_length_exceeded")
-    if isinstance(exc, UnknownAdapterError):
+    if isinstance(exc, UnknownAdapterError | UnknownModelError):
         return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, ModelNotFoundError):
+        return APIError(400, str(exc), param="base_model", code="model_not_found")
     if isinstance(exc, EngineOverloadedError):
         return APIError(
             429,
@@ -105,10 +119,15 @@ def engine_error(exc: Exception) -> APIError:
             code="service_unavailable",
             headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
         )
-    if isinstance(exc, InvalidRequestError):
+    if isinstance(exc, InvalidRequestError) or (bad_values_are_400 and isinstance(exc, ValueError)):
         return APIError(400, str(exc))
-    logger.error("generation failed", exc_info=exc)
-    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
+    logger.error("%s failed", doing, exc_info=exc)
+    return APIError(500, f"{doing} failed: {type(exc).__name__}: {exc}", type="server_error")
+
+
+def engine_error(exc: Exception) -> APIError:
+    """The HTTP error for an exception an engine raised (`http_error`)."""
+    return http_error(exc, doing="generation")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -142,5 +161,6 @@ __all__ = [
     "JSONResponse",
     "engine_call",
     "engine_error",
+    "http_error",
     "install_error_handlers",
 ]

@@ -32,11 +32,10 @@ from art_core.engine.grammar import (
     json_object_grammar,
     json_schema_grammar,
     tool_call_grammar,
-    tool_tag_ids,
 )
+from art_core.engine.protocol import Completion
 from art_core.engine.sampling import SamplingParams
-from art_core.engine.torch.engine import Completion
-from art_core.models.chat_template import parse_tool_calls
+from art_core.models.tool_format import parse_calls, tag_ids
 from art_core.rollouts.records import Turn
 from art_core.server.errors import APIError
 
@@ -186,7 +185,7 @@ def request_grammar(req: ChatCompletionRequest, tokenizer: Any) -> Grammar | Non
     """The decoding constraint a request asks for: a forced tool call, a JSON schema, or none."""
     try:
         if req.tool_choice not in (None, "auto", "none"):
-            return tool_call_grammar(req.tools or [], req.tool_choice, tag_ids=tool_tag_ids(tokenizer))
+            return tool_call_grammar(req.tools or [], req.tool_choice, tag_ids=tag_ids(tokenizer))
         kind = (req.response_format or {}).get("type", "text")
         if kind == "text":
             return None
@@ -320,7 +319,7 @@ def answered_choice(
     content: str | None = completion.text
     tool_calls: list[dict[str, Any]] = []
     if parse_tools:
-        content, tool_calls = parse_tool_calls(completion.text)
+        content, tool_calls = parse_calls(completion.text)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         message["tool_calls"] = tool_calls

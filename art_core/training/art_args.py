@@ -19,8 +19,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from art_core.training.config import TrainConfig
-from art_core.training.loss import LossConfig
+from art_core.training.config import LossConfig, TrainConfig
 
 ART_TO_OURS: dict[str, str] = {
     "learning_rate": "TrainConfig.learning_rate",

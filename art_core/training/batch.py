@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup
 from art_core.training.advantages import group_advantages, mean_std
 from art_core.training.logprobs import IGNORE_INDEX
 from art_core.training.sequences import NoTrainableTokensError, TokenSequence, trajectory_sequences

@@ -1,12 +1,130 @@
-"""Training configuration: one frozen dataclass per concern, validated on construction."""
+"""Training configuration, torch-free: one frozen dataclass per concern, validated on construction.
+
+Holds `TrainConfig` (one step: optimizer, micro-batching, precision), `LossConfig` (which policy loss
+and its knobs; the loss functions themselves are in `training.loss`) and `LoRAConfig` (the adapter's
+shape; attaching it is `training.lora`). Nothing here imports torch, peft or transformers, so the
+user API (`art_core.model`) and the `RemoteBackend` client can build and send these configs without
+loading a trainer. `MatmulPrecision` names the precisions `training.precision` implements.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import InitVar, dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
 
-from art_core.training.loss import LossConfig
-from art_core.training.precision import PRECISIONS, MatmulPrecision
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+MatmulPrecision = Literal["auto", "ieee", "bf16", "tf32"]
+PRECISIONS: tuple[str, ...] = ("auto", "ieee", "bf16", "tf32")
+
+# (epsilon, epsilon_high) used when the config leaves them as None.
+DEFAULT_EPSILONS: dict[str, tuple[float, float]] = {
+    "grpo": (0.2, 0.2),
+    "dr_grpo": (0.2, 0.2),
+    "dapo": (0.2, 0.28),
+    "gspo": (3e-4, 4e-4),
+    "cispo": (1.0, 4.0),
+}
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Which policy loss to use and its knobs. Defaults follow each loss's paper (see `DEFAULT_EPSILONS`)."""
+
+    name: str = "grpo"
+    """Policy loss: one of "grpo", "dr_grpo", "dapo", "gspo", "cispo" (the keys of `DEFAULT_EPSILONS`, and of `training.loss.LOSSES`)."""
+    epsilon: float | None = None
+    """Lower clip range: the ratio (cispo: the IS weight) is clipped below at 1 - epsilon.
+    None -> the loss's default: 0.2 (grpo, dr_grpo, dapo), 3e-4 (gspo), 1.0 (cispo: no lower bound, as in
+    MiniMax CISPO)."""
+    epsilon_high: float | None = None
+    """Upper clip range: clipped above at 1 + epsilon_high. None -> 0.28 for dapo, 4.0 for cispo (as in
+    OpenPipe ART), and for grpo, dr_grpo and gspo the epsilon in use (gspo with both None: 4e-4)."""
+    kl_coef: float = 0.0
+    """Coefficient of the k3 KL estimator to the reference (base) model; 0 disables it and needs no reference."""
+    tis_cap: float | None = 2.0
+    """Truncated importance sampling: per-token weight min(exp(old_logprobs - engine_logprobs), tis_cap);
+    None disables it (weight 1)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in DEFAULT_EPSILONS:
+            raise ValueError(f"unknown loss name {self.name!r}; choose one of {sorted(DEFAULT_EPSILONS)}")
+        for label, value in (("epsilon", self.epsilon), ("epsilon_high", self.epsilon_high)):
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(
+                    f"{label} must be a finite number >= 0 (or None for the default), got {value}"
+                )
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
+            raise ValueError(f"kl_coef must be a finite number >= 0 (0 disables KL), got {self.kl_coef}")
+        if self.tis_cap is not None and not (math.isfinite(self.tis_cap) and self.tis_cap > 0):
+            raise ValueError(
+                f"tis_cap must be a finite number > 0, or None to disable TIS, got {self.tis_cap}"
+            )
+
+    def clip_range(self) -> tuple[float, float]:
+        """(epsilon, epsilon_high) with the loss's defaults filled in."""
+        default_low, default_high = DEFAULT_EPSILONS[self.name]
+        low = default_low if self.epsilon is None else self.epsilon
+        if self.epsilon_high is not None:
+            return low, self.epsilon_high
+        if self.name in ("dapo", "cispo") or self.epsilon is None:
+            return low, default_high
+        return low, low  # grpo, dr_grpo, gspo: a user-chosen epsilon clips symmetrically
+
+
+DEFAULT_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Shape of the LoRA adapter trained on top of the frozen base model."""
+
+    r: int = 8
+    """Rank of the low-rank update (higher: more capacity, more memory)."""
+    alpha: int = 16
+    """Scaling numerator: the update is multiplied by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input during training (0 keeps training deterministic)."""
+    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+    """Names of the linear layers that get an adapter: all attention and MLP projections of Llama/Qwen."""
+    seed: int = 0
+    """Seed of the adapter's initial weights, so that two runs of the same config start identically."""
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"LoRA rank r must be >= 1, got {self.r}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"LoRA alpha must be a positive number, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules or isinstance(self.target_modules, str):
+            raise ValueError(
+                "target_modules must be a non-empty tuple of layer names, e.g. ('q_proj', 'v_proj'), "
+                f"got {self.target_modules!r}"
+            )
+
+    def to_peft(self) -> LoraConfig:
+        """The equivalent peft `LoraConfig` (causal LM, no bias training); imports peft."""
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
 
 
 @dataclass(frozen=True)

@@ -35,59 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# (epsilon, epsilon_high) used when the config leaves them as None.
-DEFAULT_EPSILONS: dict[str, tuple[float, float]] = {
-    "grpo": (0.2, 0.2),
-    "dr_grpo": (0.2, 0.2),
-    "dapo": (0.2, 0.28),
-    "gspo": (3e-4, 4e-4),
-    "cispo": (1.0, 4.0),
-}
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Which policy loss to use and its knobs. Defaults follow each loss's paper (see `DEFAULT_EPSILONS`)."""
-
-    name: str = "grpo"
-    """Policy loss: one of "grpo", "dr_grpo", "dapo", "gspo", "cispo" (the keys of `LOSSES`)."""
-    epsilon: float | None = None
-    """Lower clip range: the ratio (cispo: the IS weight) is clipped below at 1 - epsilon.
-    None -> the loss's default: 0.2 (grpo, dr_grpo, dapo), 3e-4 (gspo), 1.0 (cispo: no lower bound, as in
-    MiniMax CISPO)."""
-    epsilon_high: float | None = None
-    """Upper clip range: clipped above at 1 + epsilon_high. None -> 0.28 for dapo, 4.0 for cispo (as in
-    OpenPipe ART), and for grpo, dr_grpo and gspo the epsilon in use (gspo with both None: 4e-4)."""
-    kl_coef: float = 0.0
-    """Coefficient of the k3 KL estimator to the reference (base) model; 0 disables it and needs no reference."""
-    tis_cap: float | None = 2.0
-    """Truncated importance sampling: per-token weight min(exp(old_logprobs - engine_logprobs), tis_cap);
-    None disables it (weight 1)."""
-
-    def __post_init__(self) -> None:
-        if self.name not in LOSSES:
-            raise ValueError(f"unknown loss name {self.name!r}; choose one of {sorted(LOSSES)}")
-        for label, value in (("epsilon", self.epsilon), ("epsilon_high", self.epsilon_high)):
-            if value is not None and not (math.isfinite(value) and value >= 0):
-                raise ValueError(
-                    f"{label} must be a finite number >= 0 (or None for the default), got {value}"
-                )
-        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
-            raise ValueError(f"kl_coef must be a finite number >= 0 (0 disables KL), got {self.kl_coef}")
-        if self.tis_cap is not None and not (math.isfinite(self.tis_cap) and self.tis_cap > 0):
-            raise ValueError(
-                f"tis_cap must be a finite number > 0, or None to disable TIS, got {self.tis_cap}"
-            )
-
-    def clip_range(self) -> tuple[float, float]:
-        """(epsilon, epsilon_high) with the loss's defaults filled in."""
-        default_low, default_high = DEFAULT_EPSILONS[self.name]
-        low = default_low if self.epsilon is None else self.epsilon
-        if self.epsilon_high is not None:
-            return low, self.epsilon_high
-        if self.name in ("dapo", "cispo") or self.epsilon is None:
-            return low, default_high
-        return low, low  # grpo, dr_grpo, gspo: a user-chosen epsilon clips symmetrically
+from art_core.training.config import LossConfig
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
 
-from art_core.engine.torch.decode_step import rotate
+from art_core.models.llama_ops import rotate
 
 SUPPORTED_DECODERS = frozenset({"LlamaModel", "Qwen2Model"})
 

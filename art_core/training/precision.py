@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from art_core.models.hardware import cpu_has_native_bf16
-
-MatmulPrecision = Literal["auto", "ieee", "bf16", "tf32"]
-PRECISIONS: tuple[str, ...] = ("auto", "ieee", "bf16", "tf32")
+from art_core.training.config import PRECISIONS, MatmulPrecision
 
 
 def resolve_precision(precision: MatmulPrecision, device: torch.device) -> str:

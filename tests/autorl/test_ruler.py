@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from art_core.rollouts.records import Trajectory, TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup
+from art_core.rollouts.records import Trajectory
 from art_core.server.app import serve_in_thread
 from autorl.judge import JudgeConfig, JudgeError, JudgeResponseError, clear_memory_cache, response_format
 from autorl.judging import RulerConfig
@@ -634,7 +635,8 @@ def _server_takes_json_schema() -> bool:
     reason="our server rejects response_format json_schema (constrained decoding not there yet)",
 )
 async def test_real_local_judge_on_our_server(smollm2: Any, caplog: pytest.LogCaptureFixture) -> None:
-    from art_core.engine.torch.engine import EngineConfig, TorchEngine
+    from art_core.engine.config import EngineConfig
+    from art_core.engine.torch.engine import TorchEngine
     from art_core.server.app import create_app
     from art_core.server.router import ServedModel, StaticRouter
 

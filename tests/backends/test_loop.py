@@ -14,7 +14,7 @@ import torch
 
 from art_core import TrainableModel, TrainConfig, Trajectory, TrajectoryGroup, gather_trajectory_groups
 from art_core.backends import LocalBackend
-from art_core.training.loss import LossConfig
+from art_core.training.config import LossConfig
 
 MESSAGES = [{"role": "user", "content": "def main():"}]
 

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from art_core.app import free_port, wait_healthy
 from art_core.backends.remote import (
     RemoteAuthenticationError,
     RemoteBackend,
@@ -32,7 +32,8 @@ from art_core.backends.remote import (
 from art_core.host import routes as training_api
 from art_core.host.service import ModelService
 from art_core.model import TrainableModel
-from art_core.rollouts.records import Trajectory, TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup
+from art_core.rollouts.records import Trajectory
 from art_core.server.app import serve_in_thread
 from art_core.training.config import TrainConfig
 
@@ -48,12 +49,6 @@ class Server:
     log: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _server_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -61,25 +56,10 @@ def _server_env() -> dict[str, str]:
     return env
 
 
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"art serve exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            response = httpx.get(url + "/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=2)
-            if response.status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"art serve did not answer /health within {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("art_serve")
-    port = _free_port()
+    port = free_port()
     log = folder / "server.log"
     command = [sys.executable, "-m", "art_core.app.cli", "serve", "--port", str(port), "--api-key", KEY]
     command += ["--path", str(folder / ".art"), "--log-level", "warning"]
@@ -87,7 +67,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=_server_env())
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, process, log)
+        wait_healthy(url, process, log, api_key=KEY, timeout_s=STARTUP_TIMEOUT_S)
         yield Server(url, process, log)
     finally:
         process.terminate()
@@ -158,7 +138,7 @@ async def test_register_chat_train_step_history_and_checkpoints(server: Server) 
 
         second = await model.train(await sampled_groups(model), TrainConfig(learning_rate=1e-3))
         assert second.step == 2
-        assert await backend.delete_checkpoints(model, keep=[1]) == [0]  # the latest (2) is always kept
+        assert await backend.delete_checkpoints(model.name, keep=[1]) == [0]  # the latest (2) is always kept
         assert await model.list_checkpoints() == [1, 2]
         with pytest.raises(openai.NotFoundError):
             await client.chat.completions.create(model=model.get_inference_name(0), messages=MESSAGES)
@@ -171,10 +151,10 @@ async def test_wrong_api_key_is_401_on_training_and_openai_routes(server: Server
         intruder = RemoteBackend(server.url, api_key=key or "")
         async with intruder:
             with pytest.raises(RemoteAuthenticationError) as caught:
-                await intruder.get_step(model)
+                await intruder.get_step(model.name)
             assert caught.value.status == 401 and "API key" in caught.value.message
             with pytest.raises(RemoteAuthenticationError):
-                await intruder.register(model)
+                await intruder.register(model.spec)
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="wrong-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         await client.chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=2)
@@ -190,11 +170,11 @@ async def test_unknown_model_is_404(server: Server) -> None:
     async with RemoteBackend(server.url, api_key=KEY) as backend:
         for call in (backend.get_step, backend.list_checkpoints, backend.history):
             with pytest.raises(RemoteNotFoundError, match="never-registered"):
-                await call(ghost)
+                await call(ghost.name)
         with pytest.raises(RemoteNotFoundError):
-            await backend.train(ghost, [], TrainConfig())
+            await backend.train(ghost.name, [], TrainConfig())
         with pytest.raises(RemoteNotFoundError):
-            await backend.delete_checkpoints(ghost, keep=[])
+            await backend.delete_checkpoints(ghost.name, keep=[])
 
 
 async def test_bad_train_config_is_400_with_the_reason(server: Server) -> None:
@@ -217,7 +197,7 @@ async def test_bad_train_config_is_400_with_the_reason(server: Server) -> None:
         response = await http.post(url, json={"groups": "not a list"})
         assert response.status_code == 400 and "groups" in response.json()["error"]["message"]
     async with RemoteBackend(server.url, api_key=KEY) as backend:
-        assert await backend.get_step(model) == 0
+        assert await backend.get_step(model.name) == 0
 
 
 async def test_non_finite_reward_is_400_and_trains_nothing(server: Server) -> None:
@@ -257,15 +237,15 @@ async def test_registering_a_missing_base_model_is_400(server: Server) -> None:
 
 async def test_unreachable_server_is_a_clear_connection_error() -> None:
     model = TrainableModel(project="remote", name="agent-x", base_model="tiny-random")
-    async with RemoteBackend(f"http://127.0.0.1:{_free_port()}/v1/", api_key=KEY, timeout=5) as backend:
+    async with RemoteBackend(f"http://127.0.0.1:{free_port()}/v1/", api_key=KEY, timeout=5) as backend:
         with pytest.raises(RemoteUnavailableError, match="is `art serve` running"):
-            await backend.get_step(model)
+            await backend.get_step(model.name)
 
 
 def test_serve_refuses_a_public_host_without_a_key() -> None:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "art_core.app.cli", "serve", "--host", "0.0.0.0", "--port", str(_free_port())],
+        [sys.executable, "-m", "art_core.app.cli", "serve", "--host", "0.0.0.0", "--port", str(free_port())],
         capture_output=True,
         text=True,
         env=_server_env(),

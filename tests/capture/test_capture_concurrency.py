@@ -17,8 +17,7 @@ import pytest
 
 from art_core.backends import LocalBackend
 from art_core.model import TrainableModel
-from art_core.rollouts.groups import gather_trajectory_groups
-from art_core.rollouts.records import TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup, gather_trajectory_groups
 from integrations import rollout_scope
 from tests.helpers_serving import served_fixture
 

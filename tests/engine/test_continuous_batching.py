@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
+from art_core.engine.config import EngineConfig, GenerationRequest
 from art_core.engine.sampling import SamplingParams
 from art_core.engine.torch.decoding import DecodeBatch, RowState, shared_prompt_length
-from art_core.engine.torch.engine import EngineConfig, GenerationRequest, TorchEngine
+from art_core.engine.torch.engine import TorchEngine
 from art_core.engine.torch.kv_cache import growing_cache, join_caches
 from art_core.models.loading import LoadedModel
 from tests.helpers_models import record_prefills
@@ -169,7 +170,8 @@ async def test_a_steady_flow_on_the_serving_copy_does_not_starve_other_rows(tiny
     """Rows of the other lane (base model, checkpoints: the peft path) get the next batch."""
     import copy
 
-    from art_core.training.lora import LoRAConfig, attach_lora
+    from art_core.training.config import LoRAConfig
+    from art_core.training.lora import attach_lora
 
     torch.manual_seed(0)
     peft = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8), adapter_name="live")

@@ -8,7 +8,8 @@ import torch
 from art_core.engine.torch.decode_step import decode_step, supports_decode_step
 from art_core.engine.torch.kv_cache import growing_cache
 from art_core.models.loading import LoadedModel
-from art_core.training.lora import LoRAConfig, attach_lora
+from art_core.training.config import LoRAConfig
+from art_core.training.lora import attach_lora
 from tests.helpers_models import tiny_llama
 from tests.tolerances import assert_close_to_model
 

@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from art_core.engine.config import EngineConfig, GenerationRequest
+from art_core.engine.errors import ContextLengthError, EngineClosedError, UnknownAdapterError
+from art_core.engine.protocol import Completion
 from art_core.engine.sampling import (
     SamplingParams,
     chosen_logprobs,
@@ -21,15 +24,7 @@ from art_core.engine.sampling import (
     sample_nucleus,
     top_p_filter,
 )
-from art_core.engine.torch.engine import (
-    Completion,
-    ContextLengthError,
-    EngineClosedError,
-    EngineConfig,
-    GenerationRequest,
-    TorchEngine,
-    UnknownAdapterError,
-)
+from art_core.engine.torch.engine import TorchEngine
 from art_core.models.loading import LoadedModel, load_model
 from tests.tolerances import assert_close, assert_close_to_model, model_shape, model_tolerance
 

@@ -99,12 +99,12 @@ def test_json_object_gives_an_object(tiny_model):
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_tool_call_is_well_formed(smollm2_tokenizer, choice):
-    from art_core.models.chat_template import parse_tool_calls
+    from art_core.models.tool_format import parse_calls
 
     vocab = len(smollm2_tokenizer)
     constraint = RowConstraint(tool_call_grammar(WEATHER, choice), smollm2_tokenizer, vocab)
     text = sample_constrained(constraint, smollm2_tokenizer, seed=3)
-    content, calls = parse_tool_calls(text)
+    content, calls = parse_calls(text)
     assert content is None and len(calls) == 1
     name = calls[0]["function"]["name"]
     arguments = json.loads(calls[0]["function"]["arguments"])

@@ -20,18 +20,17 @@ from typing import Any
 import pytest
 import torch
 
-from art_core.engine.grammar import Grammar
-from art_core.engine.sampling import SamplingParams
-from art_core.engine.torch.engine import (
-    Completion,
+from art_core.engine.config import EngineConfig, GenerationRequest
+from art_core.engine.errors import (
     ContextLengthError,
     EngineClosedError,
-    EngineConfig,
-    GenerationRequest,
     InvalidRequestError,
-    TorchEngine,
     UnknownAdapterError,
 )
+from art_core.engine.grammar import Grammar
+from art_core.engine.protocol import Completion
+from art_core.engine.sampling import SamplingParams
+from art_core.engine.torch.engine import TorchEngine
 from art_core.engine.vllm.config import VLLMNotInstalledError
 from art_core.engine.vllm.engine import VLLMEngine, VLLMEngineConfig
 from art_core.engine.vllm.router import VLLMAdapterRouter
@@ -374,7 +373,8 @@ def test_cpu_lora_fix_leaves_rows_without_an_adapter_untouched() -> None:
 @pytest.fixture
 def step_checkpoints(tmp_path: Path) -> tuple[LoadedModel, dict[int, Path]]:
     """A private tiny model and 3 'checkpoints' (peft folders with different random LoRA weights)."""
-    from art_core.training.lora import LoRAConfig, attach_lora
+    from art_core.training.config import LoRAConfig
+    from art_core.training.lora import attach_lora
 
     tiny = load_model("tiny-random")
     peft_model = attach_lora(copy.deepcopy(tiny.model), LoRAConfig(r=4), adapter_name="live")

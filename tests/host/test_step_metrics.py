@@ -11,7 +11,8 @@ import pytest
 import pytest_asyncio
 
 from art_core.host.step_record import PhaseTimer, rollout_seconds, train_record
-from art_core.rollouts.records import Trajectory, TrajectoryGroup
+from art_core.rollouts.groups import TrajectoryGroup
+from art_core.rollouts.records import Trajectory
 from art_core.rollouts.summary import split_metrics
 from art_core.storage import ModelStorage
 from tests.helpers_runs import LEARNING_RATE, MODEL, PROJECT, StoredRun, build_run

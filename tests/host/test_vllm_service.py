@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,18 +18,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
+from art_core.app import free_port, wait_healthy  # noqa: E402
 from art_core.backends import LocalBackend, RemoteBackend, ServingConfig  # noqa: E402
 from art_core.engine.vllm.config import VLLMEngineConfig  # noqa: E402
 from art_core.host.service import HostedModel  # noqa: E402
 from art_core.model import TrainableModel  # noqa: E402
-from art_core.rollouts.records import Trajectory, TrajectoryGroup  # noqa: E402
+from art_core.rollouts.groups import TrajectoryGroup  # noqa: E402
+from art_core.rollouts.records import Trajectory  # noqa: E402
 from art_core.training.config import TrainConfig  # noqa: E402
 from integrations import rollout  # noqa: E402
 
@@ -193,7 +193,7 @@ async def test_local_backend_on_vllm_serves_each_trained_step(tmp_path: Path) ->
 
         models = await model.openai_client().models.list()
         assert {m.id for m in models.data} >= {"agent", "agent@0", "agent@1", "agent@2"}
-        assert await backend.delete_checkpoints(model, keep=[1]) == [0]
+        assert await backend.delete_checkpoints(model.name, keep=[1]) == [0]
         assert hosted.adapters.loaded_steps() == [1]
         with pytest.raises(openai.NotFoundError):
             await greedy(model, "agent@0")
@@ -204,28 +204,8 @@ async def test_local_backend_on_vllm_serves_each_trained_step(tmp_path: Path) ->
         await backend.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"art serve exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=2).is_success:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"art serve did not answer /health in {SERVER_START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-
-
 def test_art_serve_engine_vllm_subprocess_with_remote_backend(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "server.log"
     command = [sys.executable, "-m", "art_core.app.cli", "serve", "--port", str(port), "--api-key", KEY]
     command += ["--path", str(tmp_path / ".art"), "--log-level", "warning", "--engine", "vllm"]
@@ -238,7 +218,7 @@ def test_art_serve_engine_vllm_subprocess_with_remote_backend(tmp_path: Path) ->
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, process, log)
+        wait_healthy(url, process, log, api_key=KEY, timeout_s=SERVER_START_TIMEOUT_S)
         print(f"\nart serve --engine vllm healthy after {time.perf_counter() - started:.1f}s")
         asyncio.run(_remote_step(url))
     finally:

@@ -24,7 +24,7 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, create_react_agent
 from pydantic import SecretStr
 
-import integrations.chat_models as chat_models
+import art_core.capture.context as capture_context
 from art_core.backends import LocalBackend
 from art_core.model import TrainableModel
 from art_core.rollouts.records import Trajectory
@@ -378,9 +378,9 @@ async def test_partly_captured_rollout_warns(model: TrainableModel, caplog: pyte
 async def test_graph_invoked_outside_a_rollout_warns_once(
     model: TrainableModel, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(chat_models, "_warned_servers", set())
+    monkeypatch.setattr(capture_context, "_warned_servers", set())
     graph = create_agent(chat_model(model, max_tokens=3), tools=[get_price])
-    with caplog.at_level(logging.WARNING, logger="integrations.chat_models"):
+    with caplog.at_level(logging.WARNING, logger="art_core.capture.context"):
         await graph.ainvoke(QUESTION)
         await graph.ainvoke(QUESTION)
     warnings = [r for r in caplog.records if "outside any rollout scope" in r.getMessage()]
@@ -389,8 +389,8 @@ async def test_graph_invoked_outside_a_rollout_warns_once(
     quiet = create_agent(
         chat_model(model, max_tokens=3, warn_outside_scope=False, timeout=httpx.Timeout(60.0)), []
     )
-    monkeypatch.setattr(chat_models, "_warned_servers", set())
-    with caplog.at_level(logging.WARNING, logger="integrations.chat_models"):
+    monkeypatch.setattr(capture_context, "_warned_servers", set())
+    with caplog.at_level(logging.WARNING, logger="art_core.capture.context"):
         await quiet.ainvoke(QUESTION)
     assert "outside any rollout scope" not in caplog.text
 

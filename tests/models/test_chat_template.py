@@ -13,12 +13,11 @@ from art_core.models.chat_template import (
     HERMES_TOOL_TEMPLATE,
     ensure_tool_template,
     hermes_tool_template,
-    parse_tool_calls,
     render_prompt,
     render_text,
-    tool_call_text,
 )
 from art_core.models.loading import LoadedModel
+from art_core.models.tool_format import format_calls, parse_calls
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -186,13 +185,13 @@ def test_assistant_turn_extends_the_prompt_token_for_token(
         assert tokenizer.convert_tokens_to_ids("<|im_end|>") == tokenizer.eos_token_id
 
 
-def test_assistant_tool_call_renders_as_tool_call_text(tokenizer: PreTrainedTokenizerBase) -> None:
+def test_assistant_tool_call_renders_as_format_calls(tokenizer: PreTrainedTokenizerBase) -> None:
     calls = CONVERSATION[2]["tool_calls"]
     history = CONVERSATION[:2]
     prompt = render_text(tokenizer, history, TOOLS)
     for content, body in (
-        (None, tool_call_text(calls)),
-        ("Let me check.", "Let me check.\n" + tool_call_text(calls)),
+        (None, format_calls(calls)),
+        ("Let me check.", "Let me check.\n" + format_calls(calls)),
     ):
         turn = {"role": "assistant", "content": content, "tool_calls": calls}
         full = render_text(tokenizer, [*history, turn], TOOLS, add_generation_prompt=False)
@@ -221,19 +220,19 @@ def test_parse_round_trip() -> None:
         {"name": "get_weather", "arguments": '{"city": "Zürich", "units": ["C", "F"]}'},
         {"name": "search", "arguments": {"q": 'say "hi"', "n": 3, "nested": {"a": None}}},
     ]
-    content, parsed = parse_tool_calls(tool_call_text(calls))
+    content, parsed = parse_calls(format_calls(calls))
     assert content is None
     assert [c["function"]["name"] for c in parsed] == ["get_weather", "search"]
     assert json.loads(parsed[0]["function"]["arguments"]) == {"city": "Zürich", "units": ["C", "F"]}
     assert json.loads(parsed[1]["function"]["arguments"]) == calls[1]["arguments"]
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in parsed)
     assert len({c["id"] for c in parsed}) == 2
-    assert tool_call_text(parsed) == tool_call_text(calls)
+    assert format_calls(parsed) == format_calls(calls)
 
 
 def test_parse_content_and_call() -> None:
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    content, calls = parse_tool_calls(text)
+    content, calls = parse_calls(text)
     assert content == "Let me check."
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
 
@@ -242,7 +241,7 @@ def test_parse_compact_and_string_arguments() -> None:
     text = (
         '<tool_call>{"name":"f","arguments":"{\\"a\\": 1}"}</tool_call><tool_call>{"name": "g"}</tool_call>'
     )
-    content, calls = parse_tool_calls(text)
+    content, calls = parse_calls(text)
     assert content is None
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
         ("f", '{"a": 1}'),
@@ -255,14 +254,14 @@ def test_parse_malformed_blocks_stay_in_content() -> None:
     bad_json = '<tool_call>\n{"name": "broken", "arguments": {\n</tool_call>'
     no_name = '<tool_call>\n{"arguments": {}}\n</tool_call>'
     unclosed = '<tool_call>\n{"name": "cut", "argu'
-    content, calls = parse_tool_calls(f"{bad_json}\n{good}\n{no_name}\n{unclosed}")
+    content, calls = parse_calls(f"{bad_json}\n{good}\n{no_name}\n{unclosed}")
     assert [c["function"]["name"] for c in calls] == ["ok"]
     assert content == f"{bad_json}\n\n{no_name}\n{unclosed}"
 
 
 def test_parse_plain_text() -> None:
-    assert parse_tool_calls("  Paris.  ") == ("Paris.", [])
-    assert parse_tool_calls("") == (None, [])
+    assert parse_calls("  Paris.  ") == ("Paris.", [])
+    assert parse_calls("") == (None, [])
 
 
 # ------------------------------------------------------------------------------------ ensure_tool_template
@@ -289,3 +288,32 @@ def test_ensure_tool_template_keeps_a_tool_capable_template(tiny_model: LoadedMo
     tok.chat_template = own
     ensure_tool_template(tok)
     assert tok.chat_template == own
+
+
+def test_the_tool_format_is_one_set_of_tags_for_template_tokenizer_and_parser(
+    tiny_model: LoadedModel, smollm2_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    from art_core.models import tool_format
+
+    added = tiny_model.tokenizer.get_added_vocab()
+    assert all(tag in added for tag in tool_format.TAGS)  # the tiny tokenizer has them as single tokens
+    assert tool_format.tag_ids(tiny_model.tokenizer) == (added[tool_format.OPEN], added[tool_format.CLOSE])
+    assert tool_format.tag_ids(smollm2_tokenizer) is None  # SmolLM2 spells them in ordinary tokens
+    assert tiny_model.tokenizer.eos_token == tool_format.END_OF_TURN
+    text = format_calls([{"name": "f", "arguments": {"x": 1}}])
+    assert text.startswith(tool_format.BLOCK_OPEN) and text.endswith(tool_format.BLOCK_CLOSE)
+    rendered = render_text(
+        smollm2_tokenizer,
+        [
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+                ],
+            },
+        ],
+        add_generation_prompt=False,
+    )
+    assert text + tool_format.END_OF_TURN in rendered

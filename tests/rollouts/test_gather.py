@@ -14,10 +14,11 @@ import pytest
 from art_core.rollouts.groups import (
     GatherError,
     GatherStats,
+    TrajectoryGroup,
     gather_trajectories,
     gather_trajectory_groups,
 )
-from art_core.rollouts.records import Trajectory, TrajectoryGroup
+from art_core.rollouts.records import Trajectory
 
 
 @dataclass

@@ -9,7 +9,8 @@ import pytest
 from openai.types.chat.chat_completion import Choice
 from pydantic import ValidationError
 
-from art_core.rollouts.records import ExceptionInfo, History, Trajectory, TrajectoryGroup, Turn
+from art_core.rollouts.groups import TrajectoryGroup
+from art_core.rollouts.records import ExceptionInfo, History, Trajectory, Turn
 
 TOOL_CALL = {
     "id": "call_1",

@@ -11,8 +11,10 @@ import httpx
 import openai
 import pytest
 
+from art_core.engine.config import EngineConfig
 from art_core.engine.finish_reason import FinishReason
-from art_core.engine.torch.engine import Completion, EngineConfig, TorchEngine
+from art_core.engine.protocol import Completion
+from art_core.engine.torch.engine import TorchEngine
 from art_core.models.chat_template import render_prompt
 from art_core.models.loading import LoadedModel
 from art_core.rollouts.records import turn_from_choice

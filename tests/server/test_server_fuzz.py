@@ -22,9 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from art_core.backends.base import ModelSpec
 from art_core.capture import RolloutRecords
-from art_core.engine.torch.engine import EngineConfig
+from art_core.engine.config import EngineConfig
+from art_core.host.records import ModelSpec
 from art_core.host.routes import create_server_app
 from art_core.host.service import ModelService
 from art_core.server.app import ServerHandle, create_app, serve_in_thread

@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from art_core.engine.torch.engine import EngineConfig, TorchEngine
+from art_core.engine.config import EngineConfig
+from art_core.engine.torch.engine import TorchEngine
 from art_core.models.loading import LoadedModel
 from art_core.server.app import ServerHandle, create_app, serve_in_thread
 from art_core.server.router import ServedModel, StaticRouter

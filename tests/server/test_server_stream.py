@@ -19,7 +19,9 @@ import pytest
 from langchain_openai import ChatOpenAI
 from pydantic import SecretStr
 
-from art_core.engine.torch.engine import Completion, EngineConfig, GenerationRequest, TorchEngine
+from art_core.engine.config import EngineConfig, GenerationRequest
+from art_core.engine.protocol import Completion
+from art_core.engine.torch.engine import TorchEngine
 from art_core.models.loading import LoadedModel
 from art_core.server.app import ServerHandle, create_app, serve_in_thread
 from art_core.server.chat_stream import ChoiceText, StreamTextError, settled_content

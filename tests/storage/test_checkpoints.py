@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from art_core.rollouts.records import Trajectory, TrajectoryGroup, Turn
+from art_core.rollouts.groups import TrajectoryGroup
+from art_core.rollouts.records import Trajectory, Turn
 from art_core.storage import ModelStorage, atomic_write_bytes, validate_name
 
 

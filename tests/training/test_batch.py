@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from art_core.rollouts.records import History, Trajectory, TrajectoryGroup, Turn
+from art_core.rollouts.groups import TrajectoryGroup
+from art_core.rollouts.records import History, Trajectory, Turn
 from art_core.training.batch import BatchTotals, TrainingExample, collate, micro_batches, prepare_batch
 from art_core.training.logprobs import IGNORE_INDEX
 from art_core.training.sequences import NoTrainableTokensError, TokenSequence

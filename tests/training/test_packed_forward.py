@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from art_core.models.loading import LoadedModel
+from art_core.training.config import LoRAConfig
 from art_core.training.forward import fused_lora
-from art_core.training.lora import LoRAConfig, attach_lora
+from art_core.training.lora import attach_lora
 from art_core.training.packed_forward import (
     grouped_attention,
     packed_hidden_states,

@@ -13,11 +13,11 @@ from peft import PeftModel
 from torch import nn
 
 from art_core.models.loading import LoadedModel
-from art_core.rollouts.records import Trajectory, TrajectoryGroup, Turn
+from art_core.rollouts.groups import TrajectoryGroup
+from art_core.rollouts.records import Trajectory, Turn
 from art_core.training.batch import BatchTotals, PreparedBatch, collate, micro_batches, prepare_batch
-from art_core.training.config import TrainConfig
-from art_core.training.lora import LoRAConfig, attach_lora
-from art_core.training.loss import LossConfig
+from art_core.training.config import LoRAConfig, LossConfig, TrainConfig
+from art_core.training.lora import attach_lora
 from art_core.training.trainer import Trainer
 from tests.tolerances import assert_close_to_model, model_tolerance
 

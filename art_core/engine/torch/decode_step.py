@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from art_core.models.hardware import onednn_packs_bf16
+from art_core.models.llama_ops import rotate
 
 SUPPORTED_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
 
@@ -75,11 +76,6 @@ def _fuse(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
             linear.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
         start += rows
     return fused, bias
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def decode_step(
@@ -132,12 +128,6 @@ def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     if type(norm).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm"):
         return norm(x)  # type: ignore[no-any-return]
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (transformers' `apply_rotary_pos_emb`) of [..., heads, head_dim] with cos/sin
-    [..., 1, head_dim]: one token position per leading index, broadcast over the heads."""
-    return x * cos + _rotate_half(x) * sin
 
 
 def _mlp(mlp: Any, x: torch.Tensor, packs: dict[int, _Packed] | None) -> torch.Tensor:

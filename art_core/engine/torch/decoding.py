@@ -25,6 +25,7 @@ import torch
 from art_core.engine.detokenizer import IncrementalDetokenizer
 from art_core.engine.finish_reason import FinishReason
 from art_core.engine.grammar import RowConstraint
+from art_core.engine.protocol import Completion
 from art_core.engine.sampling import SamplingParams, chosen_logprobs, sample_next, top_logprobs
 from art_core.engine.torch.decode_step import decode_step, supports_decode_step
 from art_core.engine.torch.kv_cache import (
@@ -41,24 +42,6 @@ from art_core.engine.torch.scheduler import shared_prompt_length as shared_promp
 
 BASE_ADAPTER = "__base__"
 """peft's name for "no adapter" in a mixed-adapter batch."""
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One sampled completion."""
-
-    token_ids: list[int]
-    """Sampled ids, including the final eos/stop token if one was sampled."""
-    logprobs: list[float]
-    """Raw log-softmax (temperature 1, before top-p) of each sampled id under the serving policy:
-    what the trainer's importance correction compares against (fp32: equal to ~1e-5)."""
-    top_logprobs: list[list[tuple[int, float]]]
-    """Per sampled position, the `params.top_logprobs` most likely (id, logprob) pairs (empty lists if 0)."""
-    text: str
-    """Decoded completion, without the final eos/stop token and without the stop string (if hit)."""
-    finish_reason: FinishReason
-    """STOP (eos, a stop id or a stop string), LENGTH (max_tokens or the context window) or ABORT
-    (its request was cancelled mid-decoding; nobody receives it)."""
 
 
 @dataclass(eq=False)

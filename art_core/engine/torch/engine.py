@@ -9,8 +9,9 @@ batch, what joins one and when is decided by `scheduler.Scheduler`, as data; ada
 `adapters.Adapters`. Left out: the decoding loop and the KV cache (`decoding`, `kv_cache`,
 `prefix_cache`, `decode_step`) and token streaming (`streaming`). The design, the staleness
 contract of the serving copy and the measurements are in docs/architecture.md ("The torch
-engine") and docs/benchmarks.md. The engine's records and errors (`EngineConfig`,
-`GenerationRequest`, `EngineStats`, `Completion`, ...) are re-exported here.
+engine") and docs/benchmarks.md. The engine's records (`EngineConfig`, `GenerationRequest`,
+`EngineStats`) live in `engine.config`, the `Engine` protocol and `Completion` in `engine.protocol`
+and its errors in `engine.errors`.
 """
 
 from __future__ import annotations
@@ -34,34 +35,19 @@ from art_core.engine.config import EngineConfig, EngineStats, GenerationRequest
 from art_core.engine.errors import (
     ContextLengthError,
     EngineClosedError,
-    EngineOverloadedError,
     InvalidRequestError,
     UnknownAdapterError,
 )
 from art_core.engine.finish_reason import FinishReason
 from art_core.engine.grammar import RowConstraint
-from art_core.engine.protocol import Engine
+from art_core.engine.protocol import Completion
 from art_core.engine.sampling import row_seed
 from art_core.engine.torch.adapters import Adapters, modes_kept
-from art_core.engine.torch.decoding import Completion, DecodeBatch, RowState
+from art_core.engine.torch.decoding import DecodeBatch, RowState
 from art_core.engine.torch.prefix_cache import PrefixCache
 from art_core.engine.torch.scheduler import Gate, Lane, LanePlan, Scheduler, Serving
 from art_core.engine.torch.serving_weights import UnsupportedAdapterError, peft_model_of, serving_copy
 from art_core.engine.torch.streaming import DeltaChannel, TokenStream
-
-__all__ = [  # the names moved out of this module stay importable from it
-    "Completion",
-    "ContextLengthError",
-    "Engine",
-    "EngineClosedError",
-    "EngineConfig",
-    "EngineOverloadedError",
-    "EngineStats",
-    "GenerationRequest",
-    "InvalidRequestError",
-    "TorchEngine",
-    "UnknownAdapterError",
-]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

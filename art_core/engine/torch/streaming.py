@@ -19,7 +19,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from art_core.engine.torch.decoding import Completion, RowState
+from art_core.engine.protocol import Completion
+from art_core.engine.torch.decoding import RowState
 
 if TYPE_CHECKING:
     from art_core.engine.config import GenerationRequest

@@ -48,7 +48,8 @@ from art_core.engine.errors import (
     UnknownAdapterError,
 )
 from art_core.engine.finish_reason import FinishReason
-from art_core.engine.torch.decoding import BASE_ADAPTER, Completion
+from art_core.engine.protocol import Completion
+from art_core.engine.torch.decoding import BASE_ADAPTER
 from art_core.engine.vllm.config import VLLMEngineConfig
 from art_core.engine.vllm.loop_thread import LoopThread, cancel_other_tasks
 

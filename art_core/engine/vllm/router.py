@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from art_core.engine.errors import UnknownAdapterError
+from art_core.storage import InvalidServedNameError, parse_served_name, served_name
 
 
 class VLLMAdapterRouter:
@@ -55,21 +56,23 @@ class VLLMAdapterRouter:
 
     def resolve(self, requested: str) -> str:
         """The engine adapter for `model` (the newest step) or `model@step`; raises UnknownAdapterError."""
-        base, sep, step_text = requested.partition("@")
-        if base != self.model or (sep and not step_text.isdigit()):
+        try:
+            base, step = parse_served_name(requested)
+        except InvalidServedNameError as exc:
+            raise UnknownAdapterError(str(exc)) from None
+        if base != self.model:
             raise UnknownAdapterError(f"{requested!r} is not {self.model!r} or {self.model}@<step>")
         with self._lock:
             if self._latest is None:
                 raise UnknownAdapterError(f"{self.model!r} has no published step yet")
-            if not sep:
+            if step is None:
                 return self.model
-            step = int(step_text)
             name = self._steps.get(step)
             if name is None:
                 path = self._checkpoint_dir(step)
                 if path is None:
                     raise UnknownAdapterError(f"{self.model!r} has no checkpoint for step {step}")
-                name = f"{self.model}@{step}"
+                name = served_name(self.model, step)
                 self.engine.add_adapter(name, Path(path))
                 self._steps[step] = name
             return name
