@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any, Generic, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -32,7 +31,14 @@ from pydantic_core import to_json
 from typing_extensions import TypeVar
 
 from art_core.capture import active_rollout, request_hook, rollout_base_url, server_root
-from art_core.host.records import InferenceInfo, ModelRef, ModelSpec, ProgressCallback, TrainResult
+from art_core.host.records import (
+    InferenceInfo,
+    ModelRef,
+    ModelSpec,
+    ProgressCallback,
+    TrainResult,
+    lora_from_flat_fields,
+)
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.rollouts.summary import split_metrics
 from art_core.storage import ModelStorage, served_name, validate_name
@@ -239,20 +245,6 @@ class Model(BaseModel, Generic[ConfigT]):
         return False
 
 
-def _lora_config(lora: LoRAConfig | None, rank: int | None, alpha: int | None) -> LoRAConfig:
-    """`lora`, or a LoRAConfig from ART's `lora_rank`/`lora_alpha` (its defaults for what is not given)."""
-    if lora is not None and (rank is not None or alpha is not None):
-        raise ValueError(
-            "give the LoRA shape either as lora=LoRAConfig(...) or as lora_rank/lora_alpha, not both"
-        )
-    if lora is not None:
-        return lora
-    default = LoRAConfig()
-    return replace(
-        default, r=default.r if rank is None else rank, alpha=default.alpha if alpha is None else alpha
-    )
-
-
 class TrainableModel(Model[ConfigT], Generic[ConfigT]):
     """A LoRA on top of `base_model`, served for rollouts and trained on their trajectories.
 
@@ -287,13 +279,7 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
     @classmethod
     def _flat_lora_fields(cls, data: Any) -> Any:
         """`lora_rank=` / `lora_alpha=` (and `_internal_config`'s peft_args) mapped into `lora`."""
-        if not isinstance(data, dict) or not ({"lora_rank", "lora_alpha"} & data.keys()):
-            return data
-        data = dict(data)
-        data["lora"] = _lora_config(
-            data.get("lora"), data.pop("lora_rank", None), data.pop("lora_alpha", None)
-        )
-        return data
+        return lora_from_flat_fields(data)
 
     def __repr__(self) -> str:
         return f"TrainableModel(project={self.project!r}, name={self.name!r}, base_model={self.base_model!r})"

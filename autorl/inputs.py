@@ -18,14 +18,13 @@ import hashlib
 import json
 import logging
 import math
-import os
 import re
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from art_core.atomic import atomic_write_bytes
 from autorl.structured import Endpoint, StructuredOutputError, ask_structured, shape_hint
 
 logger = logging.getLogger(__name__)
@@ -386,17 +385,7 @@ def meta_path(path: Path) -> Path:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def save_inputs(path: Path | str, inputs: InputSet) -> Path:

@@ -28,14 +28,14 @@ import hashlib
 import json
 import logging
 import math
-import os
-import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
+
+from art_core.atomic import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -484,18 +484,8 @@ def cache_put(config: JudgeConfig, key: str, value: Any) -> None:
     _remember(key, value)
     if config.cache_dir is None:
         return
-    config.cache_dir.mkdir(parents=True, exist_ok=True)
     body = json.dumps({"model": config.model, "value": value}, ensure_ascii=False, indent=1)
-    fd, tmp = tempfile.mkstemp(dir=config.cache_dir, prefix=f".{key[:16]}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, config.cache_dir / f"{key}.json")
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(config.cache_dir / f"{key}.json", body.encode("utf-8"))
 
 
 def _remember(key: str, value: Any) -> None:

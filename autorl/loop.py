@@ -34,6 +34,7 @@ from art_core import (
     gather_trajectory_groups,
     iterate_dataset,
 )
+from art_core.atomic import atomic_write_bytes
 from autorl.ruler import scored_groups
 
 logger = logging.getLogger(__name__)
@@ -110,9 +111,7 @@ def _append_line(path: Path, row: dict[str, Any]) -> None:
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_bytes(path, (json.dumps(value, indent=1) + "\n").encode("utf-8"))
 
 
 def reward_stats(groups: Sequence[TrajectoryGroup]) -> dict[str, float | None]:

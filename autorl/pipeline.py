@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from art_core import TrainableModel, TrainConfig, Trajectory
+from art_core.atomic import atomic_write_bytes
 from autorl.head_to_head import HeadToHead, head_to_head
 from autorl.inputs import (
     InputItem,
@@ -189,9 +189,8 @@ def task_rubric(task: str) -> str:
 
 
 def _write_json(path: Path, value: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=1, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    text = json.dumps(value, indent=1, ensure_ascii=False, default=str) + "\n"
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def check_run(out: Path, task: str, base_model: str) -> None:

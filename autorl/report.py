@@ -9,12 +9,13 @@ the win rate is. Uses matplotlib's object API only (no pyplot state).
 
 from __future__ import annotations
 
+import io
 import math
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from art_core.atomic import atomic_write_bytes
 
 
 def plot_rewards(history: Sequence[Mapping[str, Any]], path: Path, *, title: str) -> Path | None:
@@ -37,15 +38,9 @@ def plot_rewards(history: Sequence[Mapping[str, Any]], path: Path, *, title: str
     axes.set(title=title, xlabel="step", ylabel="mean RULER score", ylim=(-0.05, 1.05))
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            figure.savefig(f, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
+    atomic_write_bytes(path, png.getvalue())
     return path
 
 
@@ -126,9 +121,7 @@ def write_report(
     png = plot_rewards(history, out / "reward.png", title=f"AutoRL: {str(summary.get('task'))[:60]}")
     text = render_report(summary, history, notes=notes, examples=examples, plot=png.name if png else None)
     report = out / "report.md"
-    tmp = report.with_name(".report.md.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, report)
+    atomic_write_bytes(report, text.encode("utf-8"))
     return report, png
 
 

@@ -8,12 +8,11 @@ checkable, completion, turns, and calls and error rate per tool, before and afte
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from art_core.atomic import atomic_write_bytes
 from autorl.report import write_report as write_shared_report
 
 
@@ -47,12 +46,7 @@ def mcp_notes(summary: Mapping[str, Any], details: Mapping[str, Any]) -> list[st
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def write_report(

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from art_core.atomic import atomic_write_bytes
 
 Check = Literal["number", "contains", "exact"]
 CHECKS: tuple[Check, ...] = ("number", "contains", "exact")
@@ -153,14 +153,8 @@ def load_scenarios(path: Path) -> list[Scenario]:
 
 def save_scenarios(path: Path, scenarios: Iterable[Scenario]) -> Path:
     """Write scenarios as JSONL (atomically: a temporary file, fsync, rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        for scenario in scenarios:
-            f.write(json.dumps(asdict(scenario), ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    text = "".join(json.dumps(asdict(s), ensure_ascii=False) + "\n" for s in scenarios)
+    atomic_write_bytes(path, text.encode("utf-8"))
     return path
 
 

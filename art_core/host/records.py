@@ -36,15 +36,23 @@ class ModelSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _flat_lora_fields(cls, data: Any) -> Any:
-        """ART's flat `lora_rank` / `lora_alpha` (and older clients' bodies) mapped into `lora`, once."""
-        if not isinstance(data, dict) or not ({"lora_rank", "lora_alpha"} & data.keys()):
-            return data
-        data = dict(data)
-        if "lora" in data:
-            raise ValueError("give the LoRA shape either as `lora` or as lora_rank/lora_alpha, not both")
-        flat = {"r": data.pop("lora_rank", None), "alpha": data.pop("lora_alpha", None)}
-        data["lora"] = {k: v for k, v in flat.items() if v is not None}  # validated as a LoRAConfig
+        return lora_from_flat_fields(data)
+
+
+def lora_from_flat_fields(data: Any) -> Any:
+    """ART's flat `lora_rank` / `lora_alpha` in a pydantic model's input mapped into its `lora`
+    field (a mapping, validated as a `LoRAConfig`; LoRAConfig's defaults for what is not given);
+    `data` unchanged without them. The one mapping of `ModelSpec` and `TrainableModel`."""
+    if not isinstance(data, dict) or not ({"lora_rank", "lora_alpha"} & data.keys()):
         return data
+    data = dict(data)
+    if data.get("lora") is not None:
+        raise ValueError(
+            "give the LoRA shape either as lora=LoRAConfig(...) or as lora_rank/lora_alpha, not both"
+        )
+    flat = {"r": data.pop("lora_rank", None), "alpha": data.pop("lora_alpha", None)}
+    data["lora"] = {k: v for k, v in flat.items() if v is not None}
+    return data
 
 
 class Named(Protocol):
@@ -94,4 +102,11 @@ ProgressCallback = Callable[[str, dict[str, float]], None]
 """Called with a phase name (`prepare`, `train`, `checkpoint`, `done`) and metrics so far."""
 
 
-__all__ = ["WIRE_PREFIX", "InferenceInfo", "ModelSpec", "ProgressCallback", "TrainResult"]
+__all__ = [
+    "WIRE_PREFIX",
+    "InferenceInfo",
+    "ModelSpec",
+    "ProgressCallback",
+    "TrainResult",
+    "lora_from_flat_fields",
+]
