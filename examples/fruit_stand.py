@@ -14,7 +14,7 @@ import argparse
 import asyncio
 
 from art_core import TrainableModel, TrainConfig, TrajectoryGroup, gather_trajectory_groups, iterate_dataset
-from art_core.app.demo import SCENARIOS, rollout
+from art_core.app import SCENARIOS, rollout
 from art_core.backends import LocalBackend
 
 

@@ -3,7 +3,7 @@
 `Engine` is implemented by `TorchEngine` (`art_core.engine.torch.engine`) and `VLLMEngine`
 (`art_core.engine.vllm.engine`); `Completion` is what both return for each sampled row. Plain
 data and a protocol, no torch: the server (`art_core.server`) reaches engines only through here,
-`engine.config` and `engine.errors`. Left out: streaming (`engine.torch.streaming`).
+`engine.config` and `engine.errors`. Left out: streaming (`engine.deltas`, `engine.torch.streaming`).
 """
 
 from __future__ import annotations

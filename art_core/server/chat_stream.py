@@ -24,8 +24,8 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from art_core.engine.config import GenerationRequest
+from art_core.engine.deltas import DeltaStream, RowDelta, token_stream
 from art_core.engine.detokenizer import IncrementalDetokenizer, held_prefix, settled_text
-from art_core.engine.torch.streaming import DeltaStream, RowDelta, token_stream
 from art_core.models import tool_format
 from art_core.server.chat_completion import PreparedChat, chat_choice, prepare_chat
 from art_core.server.errors import engine_call, engine_error

@@ -6,56 +6,23 @@ concatenate to its completion's `token_ids`, `logprobs` and `top_logprobs`; its 
 the finished `Completion`, sent as soon as that row ends. The worker calls `DeltaChannel.push` per
 token; the first token of a burst schedules one `call_soon_threadsafe` flush, so a decode step
 costs the loop one callback per request. `TokenStream.aclose()` cancels the request (its rows end
-at their next token, finish reason ABORT). `token_stream(engine, request)` serves engines without
-`generate_stream` (`VLLMEngine`) as one whole increment. Left out: text (deltas carry ids; the
-server decodes them with `art_core.engine.detokenizer`). See docs/architecture.md.
+at their next token, finish reason ABORT). Left out: the contract the server reads (`RowDelta`,
+`DeltaStream`, `token_stream` for engines that cannot stream: `art_core.engine.deltas`) and text
+(deltas carry ids; the server decodes them with `art_core.engine.detokenizer`). See
+docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any
 
+from art_core.engine.deltas import RowDelta
 from art_core.engine.protocol import Completion
 from art_core.engine.torch.decoding import RowState
-
-if TYPE_CHECKING:
-    from art_core.engine.config import GenerationRequest
-    from art_core.engine.protocol import Engine
-
-
-@dataclass(frozen=True)
-class RowDelta:
-    """What one row of a request sampled since its previous delta."""
-
-    index: int
-    """The row: completion `index` of the request (the choice index)."""
-    token_ids: list[int]
-    """The new sampled ids (the final eos/stop id included, as in `Completion.token_ids`)."""
-    logprobs: list[float]
-    """Their log-probs, aligned with `token_ids`."""
-    top_logprobs: list[list[tuple[int, float]]]
-    """Their top alternatives, aligned with `token_ids` (empty lists if none were asked for)."""
-    completion: Completion | None = None
-    """The finished completion, on the row's last delta only."""
-
-
-class DeltaStream(Protocol):
-    """What the server reads: increments until the request is done; `aclose()` cancels it."""
-
-    def __aiter__(self) -> AsyncIterator[list[RowDelta]]: ...
-    def __anext__(self) -> Awaitable[list[RowDelta]]: ...
-    def aclose(self) -> Awaitable[None]: ...
-
-
-@runtime_checkable
-class StreamingEngine(Protocol):
-    """An engine that streams tokens (see `TorchEngine.generate_stream`)."""
-
-    def generate_stream(self, request: GenerationRequest) -> DeltaStream: ...
 
 
 @dataclass
@@ -163,22 +130,4 @@ class TokenStream:
         self.close()
 
 
-def token_stream(engine: Engine, request: GenerationRequest) -> DeltaStream:
-    """`engine.generate_stream(request)`; for an engine that cannot stream, its whole completions at once.
-
-    An error that refuses the request (bad request, full engine) raises at this call or at the first
-    `__anext__` (engines without streaming); errors while generating come out of the iteration.
-    """
-    if isinstance(engine, StreamingEngine):
-        return engine.generate_stream(request)
-    return _whole_completions(engine, request)
-
-
-async def _whole_completions(
-    engine: Engine, request: GenerationRequest
-) -> AsyncGenerator[list[RowDelta], None]:
-    completions = await engine.generate(request)
-    yield [RowDelta(i, c.token_ids, c.logprobs, c.top_logprobs, c) for i, c in enumerate(completions)]
-
-
-__all__ = ["DeltaChannel", "DeltaStream", "RowDelta", "StreamingEngine", "TokenStream", "token_stream"]
+__all__ = ["DeltaChannel", "TokenStream"]
