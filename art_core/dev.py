@@ -3,7 +3,7 @@
 They are ART's TypedDicts (plain dicts at run time). What they map onto, and what raises:
 - `InternalModelConfig(peft_args=PeftArgs(r=..., lora_alpha=...))` for `TrainableModel(_internal_config=...)`:
   sets `lora_rank` / `lora_alpha`; every other section or key raises (engine and serving options
-  are set on the backend: `LocalBackend(engine_config=..., serving=...)`).
+  are set on the backend: `LocalBackend(serving=TorchServing(...) or VLLMServing(...))`).
 - `TrainConfig(...)` for `model.train(groups, _config=...)`: the same keys as ART 0.5's
   `backend.train(...)` keyword arguments, mapped by `art_core.training.art_args` (unsupported ones
   raise unless at ART's default).

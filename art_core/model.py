@@ -239,6 +239,9 @@ class Model(BaseModel, Generic[ConfigT]):
         record.update({(k if "/" in k else f"{split}/{k}"): v for k, v in extra.items() if k != "step"})
         if record:
             storage.append_history({"step": step, **record})
+            hook = getattr(self._runtime.backend, "record_logged", None)
+            if hook is not None:  # LocalBackend: the model's W&B / Langfuse sinks
+                hook(self, split, step, {"step": step, **record}, groups or [])
         return record
 
     def _skip_train_split(self, split: str) -> bool:
@@ -291,7 +294,7 @@ class TrainableModel(Model[ConfigT], Generic[ConfigT]):
         if _openai_client_config is not None:
             raise ValueError(
                 "_openai_client_config (ART's vLLM server options) is not supported: configure serving "
-                "on the backend, e.g. LocalBackend(serving=ServingConfig(...)) or `art serve` flags"
+                "on the backend, e.g. LocalBackend(serving=VLLMServing(vllm=VLLMEngineConfig(...))) or `art serve` flags"
             )
         _check_json(self.config)
         info = await backend.register(self.spec)
@@ -484,7 +487,7 @@ def _lora_from_internal_config(internal: Mapping[str, Any]) -> dict[str, Any]:
         if section != "peft_args":
             raise ValueError(
                 f"_internal_config[{section!r}] is not supported: only peft_args r/lora_alpha map here "
-                "(set engine options on the backend: LocalBackend(engine_config=..., serving=...))"
+                "(set engine options on the backend: LocalBackend(serving=TorchServing(...) or VLLMServing(...)))"
             )
         for key, value in dict(values).items():
             if key not in _PEFT_KEYS:

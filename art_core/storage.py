@@ -5,14 +5,22 @@
     model.json                     what the model is (base model, LoRA config, ...)
     history.jsonl                  one JSON line of metrics per step
     checkpoints/<step:04d>/        peft adapter + optimizer and RNG state (see `Trainer.save_state`)
+                                   and step_record.json (the step's history line, as of the checkpoint)
     trajectories/<split>/<step:04d>.jsonl   one TrajectoryGroup per line
 ```
 Every write is atomic (`art_core.atomic`, re-exported here): a file is written to a temporary name
 in the same folder, fsynced and renamed over the target; a checkpoint folder is filled under a
 temporary name (`.tmp-...`) and renamed into place, so a crash leaves either the old state or the
 new one, never half of one. Served names (`name`, `name@step`) are built and parsed here too.
-History lines are appended, flushed and fsynced; a torn last line (a crash mid-append) is skipped
-when reading.
+History lines are appended with one `write` and fsynced (a failed write is truncated away); a torn
+last line (a crash mid-append) is skipped when reading.
+
+A train step counts once its checkpoint folder is renamed into place (`commit_step`): its
+trajectories file is written before, and its history line travels inside the checkpoint
+(`step_record.json`), so a crash at any moment leaves either an uncommitted step (redone on resume)
+or a committed one whose record `recover` completes. `recover` (run when a model is loaded) also
+drops a torn last history line, duplicate or uncommitted train lines, trajectories of uncommitted
+steps and leftover temporary files.
 """
 
 from __future__ import annotations
@@ -39,6 +47,11 @@ DEFAULT_BASE_DIR = Path(".art")
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _TEMP_PREFIX = ".tmp-"
+STEP_RECORD = "step_record.json"
+"""The file inside a checkpoint folder holding the step's history line (see `commit_step`)."""
+STEP_REQUEST = "request.json"
+"""The file inside a checkpoint folder holding the idempotency key of the train request that made it."""
+TRAIN_SPLIT = "train"
 
 
 def validate_name(name: str, what: str) -> str:
@@ -176,13 +189,78 @@ class ModelStorage:
         return deleted
 
     def append_history(self, record: dict[str, Any]) -> None:
-        """Append one JSON line to history.jsonl (flushed and fsynced). NaN/inf are written as null."""
-        line = _dumps(record)
+        """Append one JSON line to history.jsonl (one write, fsynced). NaN/inf are written as null.
+
+        The line goes out in a single `write` on an O_APPEND descriptor, so a killed process leaves the
+        whole line or none of it; a short or failed write (a full disk) is truncated away before the
+        error propagates, so the file never ends in half a line.
+        """
+        data = (_dumps(record) + "\n").encode("utf-8")
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.history_path, "a", encoding="utf-8") as handle:
-            handle.write(line + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        fd = os.open(self.history_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                written = os.write(fd, data)
+                if written != len(data):
+                    raise OSError(f"short write to {self.history_path}: {written} of {len(data)} bytes")
+                os.fsync(fd)
+            except BaseException:
+                os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
+
+    def commit_step(
+        self,
+        step: int,
+        groups: Sequence[TrajectoryGroup],
+        save_state: Callable[[Path], None],
+        record: Callable[[], dict[str, Any]],
+        request_key: str | None = None,
+    ) -> Path:
+        """Make train step `step` count: its trajectories file, then its checkpoint with `record()`
+        (the history line, built after `save_state` so it can time it) inside as `step_record.json`.
+
+        The checkpoint's rename is the commit: a crash before it leaves an uncommitted step (its
+        trajectories file is removed by `recover`), a crash after it a committed step whose history
+        line `recover` appends from the checkpoint if the caller's `append_history` did not happen.
+        `request_key` (a client's idempotency key) is stored beside it (`request_key(step)`).
+        """
+        self.write_trajectories(TRAIN_SPLIT, step, groups)
+
+        def write(folder: Path) -> None:
+            save_state(folder)
+            (folder / STEP_RECORD).write_text(_dumps(record()) + "\n", encoding="utf-8")
+            if request_key is not None:
+                (folder / STEP_REQUEST).write_text(json.dumps({"request_key": request_key}), encoding="utf-8")
+
+        return self.write_checkpoint(step, write)
+
+    def step_record(self, step: int) -> dict[str, Any] | None:
+        """The history line stored in checkpoint `step` by `commit_step` (None: none stored)."""
+        path = self.checkpoint_dir(step) / STEP_RECORD
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else None
+
+    def request_key(self, step: int) -> str | None:
+        """The idempotency key of the train request that committed `step` (None: none given)."""
+        path = self.checkpoint_dir(step) / STEP_REQUEST
+        if not path.is_file():
+            return None
+        key = json.loads(path.read_text(encoding="utf-8")).get("request_key")
+        return key if isinstance(key, str) else None
+
+    def recover(self) -> list[str]:
+        """Repair what a crash can leave (see the module docstring); return what was repaired, one
+        line each (also logged as warnings). Run it before training resumes, in the one process that
+        writes this model."""
+        repairs = _remove_temporary_files(self) + _drop_uncommitted_trajectories(self) + _repair_history(self)
+        for line in repairs:
+            logger.warning("%s: %s", self.root, line)
+        return repairs
 
     def read_history(self) -> list[dict[str, Any]]:
         """All history records in order. A torn last line is skipped (logged); a bad earlier line raises."""
@@ -235,8 +313,96 @@ class ModelStorage:
         return data
 
 
+# -- recovery after a crash (ModelStorage.recover) ---------------------------------------------------
+
+
+def _remove_temporary_files(storage: ModelStorage) -> list[str]:
+    """Temporary files and folders of writes that never reached their rename."""
+    folders = [storage.root, storage.checkpoints_dir]
+    trajectories = storage.root / "trajectories"
+    if trajectories.is_dir():
+        folders.extend(p for p in trajectories.iterdir() if p.is_dir())
+    repairs = []
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.glob(_TEMP_PREFIX + "*")):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            repairs.append(f"removed the temporary {path.relative_to(storage.root)} of an interrupted write")
+    return repairs
+
+
+def _drop_uncommitted_trajectories(storage: ModelStorage) -> list[str]:
+    """Train trajectories of steps whose checkpoint was never committed (the step will be redone)."""
+    folder = storage.root / "trajectories" / TRAIN_SPLIT
+    if not folder.is_dir():
+        return []
+    latest, repairs = storage.latest_step(), []
+    for path in sorted(folder.glob("*.jsonl")):
+        if path.stem.isdigit() and int(path.stem) > latest:
+            path.unlink()
+            repairs.append(
+                f"removed {path.relative_to(storage.root)}: step {int(path.stem)} was never checkpointed"
+            )
+    return repairs
+
+
+def _is_train_line(record: dict[str, Any]) -> bool:
+    """A train step's history line (`model.log` lines carry `<split>/...` keys, never `trained`)."""
+    return "trained" in record and isinstance(record.get("step"), int)
+
+
+def _repair_history(storage: ModelStorage) -> list[str]:
+    """One valid train line per committed step, nothing after a torn end; rewritten atomically if changed."""
+    path = storage.history_path
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    lines = text.splitlines()
+    repairs: list[str] = []
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number != len(lines):
+                raise ValueError(f"{path}:{number} is not valid JSON: {error}") from None
+            repairs.append(f"dropped the torn last line {number} of history.jsonl ({error})")
+            continue
+        records.append(record)
+    committed = set(storage.steps())
+    kept, seen = [], set()
+    for record in records:
+        if _is_train_line(record):
+            step = record["step"]
+            if step not in committed and step > storage.latest_step():
+                repairs.append(f"dropped history's line for step {step}: that step was never checkpointed")
+                continue
+            if step in seen:
+                repairs.append(f"dropped a second history line for step {step}")
+                continue
+            seen.add(step)
+        kept.append(record)
+    for step in sorted(committed - seen):
+        stored = storage.step_record(step)
+        if stored is not None:
+            kept.append(stored)
+            repairs.append(
+                f"appended step {step}'s history line from its checkpoint (the run stopped before it)"
+            )
+    changed = bool(repairs) or (bool(text) and not text.endswith("\n"))
+    if changed:
+        atomic_write_bytes(path, "".join(_dumps(r) + "\n" for r in kept).encode("utf-8"))
+    return repairs
+
+
 __all__ = [
     "DEFAULT_BASE_DIR",
+    "STEP_RECORD",
+    "STEP_REQUEST",
     "InvalidServedNameError",
     "ModelStorage",
     "atomic_dir",

@@ -1,4 +1,4 @@
-"""The judge transport: which model answers, how it is called, retried and cached.
+"""The judge transport: which model answers, how it is called and cached (retries: `autorl.retries`).
 
 A judge is any LiteLLM model string (`openai/gpt-4.1-mini`, `anthropic/...`, `ollama/...`) or
 any OpenAI-compatible server given by `base_url` (our own `art serve`, vLLM, OpenRouter...).
@@ -23,7 +23,6 @@ text, re-validated when read); failures never are.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -36,6 +35,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from art_core.atomic import atomic_write_bytes
+from autorl.retries import Attempts, Rejected, ask_with_retries, cut_off_note, is_transport_error, status_code
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,6 @@ RESERVED_PARAMS = {
     "base_url": "JudgeConfig.base_url",
 }
 """Keys `extra_params` may not hold, and the JudgeConfig field that sets each instead."""
-
-RETRYABLE_STATUS = frozenset({408, 409, 429})
-"""4xx statuses worth retrying (timeouts, conflicts, rate limits); every 5xx is retried too."""
 
 MEMORY_CACHE_SIZE = 4096
 """Judge answers kept in the in-memory cache (least recently used ones are dropped)."""
@@ -194,40 +191,6 @@ _NO_STRUCTURED_OUTPUT: set[tuple[str, str | None]] = set()
 def response_format(schema: Mapping[str, Any]) -> dict[str, Any]:
     """OpenAI's strict json_schema `response_format` around `schema`."""
     return {"type": "json_schema", "json_schema": {"name": "ruler_scores", "schema": schema, "strict": True}}
-
-
-def status_code(exc: BaseException) -> int | None:
-    """The HTTP status of an openai/LiteLLM error, if it has one."""
-    status = getattr(exc, "status_code", None)
-    return status if isinstance(status, int) else None
-
-
-def is_transport_error(exc: BaseException) -> bool:
-    """Errors of the call itself (HTTP status, connection, timeout), as opposed to bugs."""
-    import openai
-
-    return isinstance(exc, openai.APIError | asyncio.TimeoutError | ConnectionError)
-
-
-def is_retryable(exc: BaseException) -> bool:
-    """A transport error that may pass on retry: no status (connection, timeout), 408/409/429, 5xx."""
-    status = status_code(exc)
-    return status is None or status >= 500 or status in RETRYABLE_STATUS
-
-
-def describe_transport_error(exc: BaseException, config: JudgeConfig) -> str:
-    """One line about a failed call, with a hint where one helps."""
-    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-    status = status_code(exc)
-    if status == 404 and config.base_url and not config.base_url.rstrip("/").endswith("/v1"):
-        text += (
-            f" (base_url {config.base_url!r} does not end in /v1; OpenAI-compatible servers usually need it)"
-        )
-    elif status == 404:
-        text += f" (is {config.model!r} served at {config.endpoint or 'the provider'}?)"
-    elif status in (401, 403):
-        text += " (check JudgeConfig.api_key)"
-    return text
 
 
 def _request_params(fmt: dict[str, Any] | None, top_logprobs: int | None) -> dict[str, Any]:
@@ -392,45 +355,31 @@ async def ask_judge(
             return parse(cached), 0
         except JudgeResponseError as exc:
             logger.warning("ignoring a cached judge answer that no longer parses (%s)", exc)
-    attempts: list[str] = []
-    reasons: list[str] = []
-    conversation, answered = messages, False
-    for n in range(1, config.max_attempts + 1):
-        try:
-            answer = await complete(config, conversation, schema, fallback_schema=fallback_schema)
-        except Exception as exc:
-            if not is_transport_error(exc):
-                raise
-            summary = describe_transport_error(exc, config)
-            attempts.append(summary)
-            reasons.append(f"attempt {n}: {summary}")
-            answered = False
-            if not is_retryable(exc):
-                break
-            if n < config.max_attempts:
-                await asyncio.sleep(config.retry_backoff_s * 2 ** (n - 1))
-            continue
+
+    def accept(answer: JudgeAnswer, _: Attempts) -> T:
         try:
             parsed = parse(answer.text)
         except JudgeResponseError as exc:
-            reason = str(exc)
-            if answer.finish_reason == "length":
-                reason += f" (the answer was cut off at max_tokens={config.max_tokens})"
-            attempts.append(answer.text)
-            reasons.append(f"attempt {n}: {reason}")
-            answered = True
-            conversation = [
-                *messages,
-                {"role": "assistant", "content": answer.text},
-                {"role": "user", "content": correction(reason)},
-            ]
-            continue
+            raise Rejected(cut_off_note(str(exc), answer, config)) from None
         cache_put(config, key, answer.text)
-        return parsed, n
-    error = JudgeResponseError if answered else JudgeError
-    what = "gave no valid answer" if answered else "could not be called"
-    message = f"judge {config.model} {what} in {len(attempts)} attempt(s): " + "; ".join(reasons)
-    raise error(message, attempts)
+        return parsed
+
+    def fail(attempts: Attempts) -> JudgeError:
+        error = JudgeResponseError if attempts.answered else JudgeError
+        what = "gave no valid answer" if attempts.answered else "could not be called"
+        return error(
+            f"judge {config.model} {what} in {attempts.calls} attempt(s): {attempts.summary()}",
+            attempts.answers,
+        )
+
+    return await ask_with_retries(
+        config,
+        messages,
+        lambda conversation: complete(config, conversation, schema, fallback_schema=fallback_schema),
+        accept,
+        correction=correction,
+        fail=fail,
+    )
 
 
 # -- cache --------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autorl.judge import (
+    JudgeAnswer,
     JudgeConfig,
     JudgeError,
     JudgeResponseError,
@@ -23,10 +24,8 @@ from autorl.judge import (
     cache_get,
     cache_put,
     complete,
-    describe_transport_error,
-    is_retryable,
-    is_transport_error,
 )
+from autorl.retries import Attempts, Rejected, ask_with_retries
 
 logger = logging.getLogger(__name__)
 
@@ -121,46 +120,36 @@ async def ask_label_probs(
     cached = cache_get(config, key)
     if isinstance(cached, dict) and set(cached) == set(labels):
         return LabelAnswer({k: float(v) for k, v in cached.items()}, 0, 0)
-    reasons: list[str] = []
-    conversation = messages
-    answered = False
-    for n in range(1, config.max_attempts + 1):
-        try:
-            answer = await complete(one_token, conversation, None, top_logprobs=top_logprobs)
-        except Exception as exc:
-            if not is_transport_error(exc):
-                raise
-            reasons.append(f"attempt {n}: {describe_transport_error(exc, config)}")
-            answered = False
-            if not is_retryable(exc):
-                break
-            if n < config.max_attempts:
-                await asyncio.sleep(config.retry_backoff_s * 2 ** (n - 1))
-            continue
-        endpoint = (config.model, config.endpoint)
+    endpoint = (config.model, config.endpoint)
+
+    def accept(answer: JudgeAnswer, so_far: Attempts) -> dict[str, float]:
         (_WITH_LOGPROBS if answer.top_logprobs else _NO_LOGPROBS).add(endpoint)
         try:
             probs = _labels_found(answer.top_logprobs, labels)
+        except NoLogprobsError as exc:  # retrying cannot help
+            reasons = [*so_far.reasons, f"attempt {so_far.calls + 1}: {exc}"]
+            message = f"judge {config.model} gave no label probabilities: {exc}"
+            raise NoLogprobsError(message, reasons, calls=len(reasons)) from None
         except NoLabelProbabilitiesError as exc:
-            reasons.append(f"attempt {n}: {exc}")
-            answered = True
-            if not answer.top_logprobs:
-                raise NoLogprobsError(
-                    f"judge {config.model} gave no label probabilities: {exc}", reasons, calls=n
-                ) from None
-            conversation = [
-                *messages,
-                {"role": "assistant", "content": answer.text},
-                {"role": "user", "content": correction},
-            ]
-            continue
+            raise Rejected(str(exc)) from None
         cache_put(config, key, probs)
-        return LabelAnswer(probs, n, n - 1)
-    calls = len(reasons)
-    what = "gave no label probabilities" if answered else "could not be called"
-    message = f"judge {config.model} {what} in {calls} attempt(s): " + "; ".join(reasons)
-    error = NoLabelProbabilitiesError if answered else JudgeError
-    raise error(message, reasons, calls=calls)
+        return probs
+
+    def fail(attempts: Attempts) -> JudgeError:
+        what = "gave no label probabilities" if attempts.answered else "could not be called"
+        message = f"judge {config.model} {what} in {attempts.calls} attempt(s): {attempts.summary()}"
+        error = NoLabelProbabilitiesError if attempts.answered else JudgeError
+        return error(message, attempts.reasons, calls=attempts.calls)
+
+    probs, calls = await ask_with_retries(
+        config,
+        messages,
+        lambda conversation: complete(one_token, conversation, None, top_logprobs=top_logprobs),
+        accept,
+        correction=lambda _: correction,
+        fail=fail,
+    )
+    return LabelAnswer(probs, calls, calls - 1)
 
 
 async def ask_labels_all(

@@ -14,21 +14,13 @@ client for `base_url` endpoints, LiteLLM otherwise) and its retry rules for tran
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
-from autorl.judge import (
-    JudgeAnswer,
-    JudgeConfig,
-    as_judge_config,
-    describe_transport_error,
-    is_retryable,
-    is_transport_error,
-    status_code,
-)
+from autorl.judge import JudgeAnswer, JudgeConfig, as_judge_config
+from autorl.retries import Attempts, Rejected, ask_with_retries, cut_off_note, is_transport_error, status_code
 
 logger = logging.getLogger(__name__)
 
@@ -189,42 +181,33 @@ async def ask_structured(
     attempts_allowed = max_attempts if max_attempts is not None else config.max_attempts
     if attempts_allowed < 1:
         raise ValueError(f"max_attempts must be >= 1, got {attempts_allowed}")
-    base = [dict(m) for m in messages]
-    conversation, attempts, reasons = base, [], []
-    for n in range(1, attempts_allowed + 1):
-        try:
-            answer = await _call(config, conversation, schema, name)
-        except Exception as exc:
-            if not is_transport_error(exc):
-                raise
-            summary = describe_transport_error(exc, config)
-            attempts.append(summary)
-            reasons.append(f"attempt {n}: {summary}")
-            if not is_retryable(exc):
-                break
-            if n < attempts_allowed:
-                await asyncio.sleep(config.retry_backoff_s * 2 ** (n - 1))
-            continue
+
+    def accept(answer: JudgeAnswer, _: Attempts) -> Any:
         try:
             return parse_answer(answer.text, schema, validate)
         except InvalidAnswerError as exc:
-            reason = str(exc)
-            if answer.finish_reason == "length":
-                reason += f" (the answer was cut off at max_tokens={config.max_tokens})"
-            attempts.append(answer.text)
-            reasons.append(f"attempt {n}: {reason}")
-            correction = (
-                f"That answer is invalid: {reason}. Answer again with one JSON object of this shape, "
-                f"and nothing else: {shape_hint(schema)}"
-            )
-            conversation = [
-                *base,
-                {"role": "assistant", "content": answer.text},
-                {"role": "user", "content": correction},
-            ]
-    raise StructuredOutputError(
-        f"{config.model} gave no valid {name} in {len(attempts)} attempt(s): " + "; ".join(reasons), attempts
+            raise Rejected(cut_off_note(str(exc), answer, config)) from None
+
+    def correction(reason: str) -> str:
+        return (
+            f"That answer is invalid: {reason}. Answer again with one JSON object of this shape, "
+            f"and nothing else: {shape_hint(schema)}"
+        )
+
+    def fail(attempts: Attempts) -> StructuredOutputError:
+        message = f"{config.model} gave no valid {name} in {attempts.calls} attempt(s): {attempts.summary()}"
+        return StructuredOutputError(message, attempts.answers)
+
+    value, _ = await ask_with_retries(
+        config,
+        [dict(m) for m in messages],
+        lambda conversation: _call(config, conversation, schema, name),
+        accept,
+        correction=correction,
+        fail=fail,
+        max_attempts=attempts_allowed,
     )
+    return value
 
 
 def forget_modes() -> None:

@@ -34,6 +34,9 @@ from serve_common import (
 
 def worker_ours(args: argparse.Namespace) -> None:
     """Register the model on a LocalBackend, put the random adapter into the live LoRA, serve it."""
+    from art_core.engine.openmp import prefer_passive_wait, wait_policy
+
+    prefer_passive_wait()  # what the `art` CLI does; before torch loads its OpenMP
     import torch
 
     from art_core.backends.local import LocalBackend
@@ -77,7 +80,7 @@ def worker_ours(args: argparse.Namespace) -> None:
             "lora_b_tensors": changed,
             "serve_dtype": str(serving.dtype).removeprefix("torch.") if serving is not None else "peft",
             "trainer_dtype": str(next(hosted.trainer.model.parameters()).dtype).removeprefix("torch."),
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": f"{torch.get_num_threads()} (adaptive, OMP wait {wait_policy().lower()})",
             "torch": torch.__version__,
             "setup_s": round(time.perf_counter() - started, 1),
         },

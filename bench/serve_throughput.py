@@ -6,12 +6,17 @@ set as a train step sets it; `serve_sequential.py`: HF `generate`, batch size 1,
 once per round with `max_tokens` (64) and `ignore_eos`, rounds taking turns between the servers
 (one warm-up, then the median of `--repeats`), and reports tok/s, tok/CPU-s and the ratios. The
 last line printed is one JSON object: {"ours_tok_s", "sequential_tok_s", "vllm_cpu_tok_s",
-"vllm_cpu_nolora_tok_s", "vs_sequential", "vs_vllm_cpu"} (vLLM figures null when it could not
+"vllm_cpu_nolora_tok_s", "vs_sequential", "vs_vllm_cpu", "vs_vllm_cpu_nolora", "contention"} (vLLM figures null when it could not
 run); with `--json` stdout holds only that line. Process plumbing is `processes.py`. What is
 measured and the results: docs/benchmarks.md ("Serving throughput over HTTP").
 
 Usage: python bench/serve_throughput.py [--requests 32] [--max-tokens 64] [--repeats 3] [--threads 2]
                                         [--skip-vllm] [--vllm-iomp] [--keep] [--json]
+                                        [--contention [--load-compute-ms 50 --load-sleep-ms 50 --load-seed 0]]
+
+`--contention` runs `background_load.py` (one process at normal priority alternating compute and
+sleep, seeded: what a tool server or a judge does beside the engine) from before the first
+measured side (one-at-a-time generate) to the end, so every side's rounds run under the same load.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from background_load import LoadShape
+from background_load import start as start_load
 from machine import machine_header  # bench/ is on sys.path when a bench script runs
 from processes import group_cpu_s, mem_available_gib, stop_group
 from serve_common import CHECK_TOKENS, Target, chat_prompts, say, set_output
@@ -218,6 +225,8 @@ def report(
         "vllm_cpu_nolora_tok_s": tok_s("vllm_base"),
         "vs_sequential": ratio(tok_s("ours"), tok_s("sequential")),
         "vs_vllm_cpu": ratio(tok_s("ours"), tok_s("vllm_lora")),
+        "vs_vllm_cpu_nolora": ratio(tok_s("ours"), tok_s("vllm_base")),
+        "contention": LoadShape(*args.load).describe() if args.contention else None,
     }
     say()
     targets = (
@@ -260,6 +269,14 @@ def main() -> None:
     parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--vllm-start-timeout", type=float, default=600)
     parser.add_argument("--request-timeout", type=float, default=1200)
+    parser.add_argument(
+        "--contention", action="store_true", help="run a fixed background load during every side's rounds"
+    )
+    parser.add_argument(
+        "--load-compute-ms", type=float, default=50.0, help="--contention: compute per period"
+    )
+    parser.add_argument("--load-sleep-ms", type=float, default=50.0, help="--contention: sleep per period")
+    parser.add_argument("--load-seed", type=int, default=0, help="--contention: seeds the period lengths")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (adapter, server logs)")
     parser.add_argument(
         "--json", action="store_true", help="stdout: only the final JSON line (the rest to stderr)"
@@ -268,6 +285,7 @@ def main() -> None:
     parser.add_argument("--work-dir", help=argparse.SUPPRESS)
     parser.add_argument("--adapter-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.load = (args.load_compute_ms, args.load_sleep_ms, args.load_seed)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.worker == "ours":
         return worker_ours(args)
@@ -295,6 +313,11 @@ def main() -> None:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_throughput-")))
         proc, ready, ours_target = start_ours(args, work)
         stack.callback(stop_ours, proc)
+        if args.contention:
+            shape = LoadShape(*args.load)
+            load = start_load(shape, work / "background_load.log")
+            stack.callback(stop_group, load)
+            say(f"contention: {shape.describe()}, running from now until the last round")
         seq = sides["sequential"] = run_sequential(args, work, ready["adapter_dir"])
         say(f"sequential: {seq['tok_s']:.1f} tok/s ({seq['tokens']} tokens in {seq['seconds']:.1f} s)")
         targets, facts = (

@@ -37,9 +37,10 @@ import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from art_core.capture import TOOL_LOG_PREFIX
 from integrations.scope import RolloutScope, current_scope
 
-LOG_PREFIX = "mcp tool call "
+LOG_PREFIX = TOOL_LOG_PREFIX
 """Prefix of the trajectory log line of each recorded call (the rest is the record as JSON)."""
 
 

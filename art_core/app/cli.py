@@ -20,10 +20,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 if TYPE_CHECKING:
-    from art_core.host.service import ServingConfig
+    from art_core.host.serving import ServingConfig
+    from art_core.host.train_group import TrainGroup
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL for the LLM agents you already have.")
 console = Console(stderr=True)
+
+
+DEMO_MALLOC_ARENAS = 2
+"""glibc malloc arenas for `art demo` (glibc's default is 8 per core, each keeping its own freed
+memory); the `MALLOC_ARENA_MAX` environment variable overrides it."""
 
 
 @app.command()
@@ -42,6 +48,9 @@ def demo(
     as_json: Annotated[bool, typer.Option("--json", help="End with a one-line JSON summary.")] = False,
 ) -> None:
     """Train SmolLM2-135M-Instruct (on CPU) to recommend bananas, and show the reward rise."""
+    from art_core.models.allocator import limit_arenas
+
+    limit_arenas(DEMO_MALLOC_ARENAS)  # before the engine's and the server's threads allocate
     from art_core.app.demo import DemoConfig, run_demo
     from art_core.app.plotting import plot_reward_curve
 
@@ -276,6 +285,15 @@ def serve(
             "--vllm-option gpu_memory_utilization=0.4.",
         ),
     ] = None,
+    train_procs: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            show_default=False,
+            help="Training processes (data-parallel LoRA, docs/distributed.md): this one and N-1 it starts; "
+            "on GPUs one per device (--engine vllm), on CPU gloo ranks. Under torchrun leave it out.",
+        ),
+    ] = None,
 ) -> None:
     """Host inference and training for any number of models; clients connect with RemoteBackend.
 
@@ -290,7 +308,6 @@ def serve(
         raise typer.Exit(2)
     import uvicorn
 
-    from art_core.engine.config import EngineConfig
     from art_core.engine.vllm.config import VLLMNotInstalledError
     from art_core.host.routes import create_server_app
     from art_core.host.service import ModelService
@@ -298,21 +315,14 @@ def serve(
     from art_core.server.middleware import MAX_CONCURRENT_REQUESTS
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[_rich_handler()])
-    torch_flags = [
-        flag
-        for flag, value in (("--max-queued-rows", max_queued_rows), ("--prefix-cache-mib", prefix_cache_mib))
-        if value is not None
-    ]
     try:
-        engine_config = EngineConfig(
-            max_queued_rows=EngineConfig.max_queued_rows if max_queued_rows is None else max_queued_rows,
-            prefix_cache_mib=EngineConfig.prefix_cache_mib if prefix_cache_mib is None else prefix_cache_mib,
+        serving = serving_config(
+            engine.value,
+            vllm_option or [],
+            max_queued_rows=max_queued_rows,
+            prefix_cache_mib=prefix_cache_mib,
         )
-        serving = serving_config(engine.value, vllm_option or [])
-        if serving.engine == "vllm" and torch_flags:
-            flags = ", ".join(torch_flags)
-            raise ValueError(f"{flags} applies to the torch engine; vLLM has its own queue and prefix cache")
-        service = ModelService(path, engine_config, serving=serving)
+        service = ModelService(path, serving, train_group=_train_group(train_procs, serving))
     except (ValueError, TypeError, VLLMNotInstalledError) as exc:
         console.print(f"[red]art serve:[/] {_escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from exc
@@ -331,15 +341,57 @@ def serve(
         service.close()
 
 
-def serving_config(engine: str, vllm_options: list[str]) -> ServingConfig:
-    """The ServingConfig for `--engine` and its `--vllm-option KEY=VALUE`s; raises ValueError, TypeError."""
+def _train_group(train_procs: int | None, serving: ServingConfig) -> TrainGroup | None:
+    """`--train-procs` / torchrun's group; a follower rank exits here once rank 0 stops."""
+    from art_core.host.serving import VLLMServing
+    from art_core.host.train_worker import FollowerExit, train_group_for
+
+    try:
+        cuda = isinstance(serving, VLLMServing) and serving.device().startswith("cuda")
+        return train_group_for(train_procs, cuda=cuda)
+    except FollowerExit:
+        raise typer.Exit(0) from None
+
+
+def serving_config(
+    engine: str,
+    vllm_options: list[str],
+    *,
+    max_queued_rows: int | None = None,
+    prefix_cache_mib: int | None = None,
+) -> ServingConfig:
+    """The ServingConfig for `--engine` and the flags of that engine: `--max-queued-rows` and
+    `--prefix-cache-mib` (torch), `--vllm-option KEY=VALUE`s (vllm); raises ValueError, TypeError."""
+    from art_core.engine.config import EngineConfig
     from art_core.engine.vllm.config import VLLMEngineConfig
-    from art_core.host.service import ServingConfig
+    from art_core.host.serving import TorchServing, VLLMServing
 
     if engine != "vllm":
         if vllm_options:
             raise ValueError("--vllm-option needs --engine vllm")
-        return ServingConfig(engine="torch")
+        default = EngineConfig()
+        return TorchServing(
+            engine_config=EngineConfig(
+                max_queued_rows=default.max_queued_rows if max_queued_rows is None else max_queued_rows,
+                prefix_cache_mib=default.prefix_cache_mib if prefix_cache_mib is None else prefix_cache_mib,
+            )
+        )
+    torch_flags = [
+        flag
+        for flag, value in (("--max-queued-rows", max_queued_rows), ("--prefix-cache-mib", prefix_cache_mib))
+        if value is not None
+    ]
+    if torch_flags:
+        raise ValueError(
+            f"{', '.join(torch_flags)} applies to the torch engine; vLLM has its own queue and prefix cache"
+        )
+    return VLLMServing(vllm=VLLMEngineConfig(**_vllm_options(vllm_options)))
+
+
+def _vllm_options(vllm_options: list[str]) -> dict[str, Any]:
+    """`--vllm-option KEY=VALUE`s as VLLMEngineConfig fields (VALUE read as JSON when it parses)."""
+    from art_core.engine.vllm.config import VLLMEngineConfig
+
     known = {f.name for f in fields(VLLMEngineConfig)}
     options: dict[str, Any] = {}
     for option in vllm_options:
@@ -352,7 +404,7 @@ def serving_config(engine: str, vllm_options: list[str]) -> ServingConfig:
             options[key] = json.loads(text)
         except json.JSONDecodeError:
             options[key] = text
-    return ServingConfig(engine="vllm", vllm=VLLMEngineConfig(**options))
+    return options
 
 
 def _escape(text: str) -> str:
@@ -385,6 +437,9 @@ def _quiet_logs() -> None:
 
 
 def main() -> None:
+    from art_core.engine.openmp import prefer_passive_wait
+
+    prefer_passive_wait()  # before anything imports torch: its OpenMP reads the policy once
     app()
 
 

@@ -33,6 +33,7 @@ _STYLE = """
 body { font-family: sans-serif; margin: 2em; color: #111; max-width: 72em; }
 .charts { display: flex; flex-wrap: wrap; gap: 1em; }
 .trajectory { border: 1px solid #ccc; border-radius: 6px; padding: 0.6em 1em; margin: 0.8em 0; }
+.trajectory h4 { margin: 0.2em 0 0.5em; }
 .message { margin: 0.3em 0; white-space: pre-wrap; }
 .role { font-weight: bold; }
 .logs, .meta { color: #444; font-size: 0.9em; white-space: pre-wrap; }

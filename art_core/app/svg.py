@@ -21,6 +21,13 @@ def _scale(lo: float, hi: float) -> tuple[float, float]:
     return lo - pad, hi + pad
 
 
+def _x_labels(xs: Sequence[float], y: float, right: float) -> list[tuple[float, float, str, str]]:
+    """The step labels under the x axis: first and last, or the one step of a one-step series (centred)."""
+    if min(xs) == max(xs):
+        return [((_PAD_LEFT + right) / 2, y, "middle", f"step {_label(xs[0])}")]
+    return [(_PAD_LEFT, y, "start", f"step {_label(min(xs))}"), (right, y, "end", f"step {_label(max(xs))}")]
+
+
 def polyline_chart(
     points: Sequence[tuple[float, float]],
     title: str,
@@ -65,8 +72,8 @@ def polyline_chart(
         for x, y, anchor, text in (
             (_PAD_LEFT - 4, _PAD_TOP + 8, "end", _label(y_hi)),
             (_PAD_LEFT - 4, bottom, "end", _label(y_lo)),
-            (_PAD_LEFT, bottom + 14, "start", f"step {_label(x_lo)}"),
-            (right, bottom + 14, "end", f"step {_label(x_hi)}"),
+            *_x_labels(xs, bottom + 14, right),
+            (right, 16, "end", f"last {_label(ys[-1])}"),
         )
     )
     line = " ".join(at(x, y) for x, y in finite)

@@ -3,8 +3,8 @@
 `local` (LocalBackend) and `remote` (RemoteBackend, its typed errors). Both take a `ModelSpec` to
 register and a model's name for the rest; the `Backend` protocol they implement is defined by its
 caller, `art_core.model`, and the records they exchange are `art_core.host.records`.
-Exports `Backend`, `LocalBackend`, `RemoteBackend`, `RemoteError`, `ServingConfig`, `TrainResult` and
-`InferenceInfo`. Lazy, so that `art_core.backends.remote` (a light HTTP client) never loads the
+Exports `Backend`, `LocalBackend`, `RemoteBackend`, `RemoteError`, `ServingConfig` (with its variants
+`TorchServing` and `VLLMServing`), `TrainResult` and `InferenceInfo`. Lazy, so that `art_core.backends.remote` (a light HTTP client) never loads the
 in-process host and torch behind `LocalBackend`.
 """
 
@@ -20,7 +20,9 @@ if TYPE_CHECKING:
     from art_core.backends.remote import RemoteError as RemoteError
     from art_core.host.records import InferenceInfo as InferenceInfo
     from art_core.host.records import TrainResult as TrainResult
-    from art_core.host.service import ServingConfig as ServingConfig
+    from art_core.host.serving import ServingConfig as ServingConfig
+    from art_core.host.serving import TorchServing as TorchServing
+    from art_core.host.serving import VLLMServing as VLLMServing
     from art_core.model import Backend as Backend
 
 __all__, __getattr__ = lazy_exports(
@@ -29,7 +31,7 @@ __all__, __getattr__ = lazy_exports(
         "art_core.host.records": ("InferenceInfo", "TrainResult"),
         "art_core.backends.local": ("LocalBackend",),
         "art_core.backends.remote": ("RemoteBackend", "RemoteError"),
-        "art_core.host.service": ("ServingConfig",),
+        "art_core.host.serving": ("ServingConfig", "TorchServing", "VLLMServing"),
         "art_core.model": ("Backend",),
     },
 )

@@ -6,13 +6,16 @@ import asyncio
 import secrets
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from art_core.backends.art_compat import ArtBackendMixin, LocalTrainResult, log_result, resolve_train_config
 from art_core.capture import RolloutRecorder
 from art_core.engine.config import EngineConfig
 from art_core.host.records import InferenceInfo, ModelRef, ModelSpec, ProgressCallback, model_name
-from art_core.host.service import ModelService, ServingConfig
+from art_core.host.service import ModelService
+from art_core.host.serving import ServingConfig, TorchServing, VLLMServing
+from art_core.host.sinks import ObserveConfig
+from art_core.host.train_worker import FollowerExit, train_group_for
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.server.app import ServerHandle, create_app, serve_in_thread
 from art_core.training.config import TrainConfig
@@ -27,10 +30,46 @@ class LocalBackend(ArtBackendMixin):
     refuses to start without an explicit `api_key`. On loopback a random key is made per
     backend; clients from `model.openai_client()` carry it.
 
-    `serving` chooses the engine: `LocalBackend(serving=ServingConfig(engine="vllm"))` serves with
-    vLLM (each step's checkpoint hot-loaded) while the trainer trains here; `engine_config`
-    configures the default TorchEngine.
+    `serving` chooses the engine and carries its options: `TorchServing(engine_config=EngineConfig(...))`
+    (the default) or `VLLMServing(vllm=VLLMEngineConfig(...))`, which serves with vLLM (each step's
+    checkpoint hot-loaded) while the trainer trains here. `engine_config=EngineConfig(...)` is short
+    for `serving=TorchServing(engine_config=...)`; it is one or the other.
+
+    `train_procs=N` trains data-parallel on N processes (this one and N-1 it starts; one per GPU
+    with vLLM, gloo ranks on CPU); see docs/distributed.md. Under torchrun the group is
+    torchrun's: rank 0 runs the script, and on every other rank this constructor follows rank 0's
+    training steps and exits the process (status 0) when rank 0 closes the backend, so the same
+    script runs unchanged.
+
+    `observe` chooses where steps go besides history.jsonl (W&B, Langfuse: on by default where
+    installed and configured, see `ObserveConfig`).
     """
+
+    @overload
+    def __init__(
+        self,
+        path: Path | str = ".art",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        serving: ServingConfig | None = None,
+        train_procs: int | None = None,
+        observe: ObserveConfig | None = None,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        path: Path | str = ".art",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        engine_config: EngineConfig,
+        train_procs: int | None = None,
+        observe: ObserveConfig | None = None,
+    ) -> None: ...
 
     def __init__(
         self,
@@ -39,15 +78,23 @@ class LocalBackend(ArtBackendMixin):
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
-        engine_config: EngineConfig | None = None,
         serving: ServingConfig | None = None,
+        engine_config: EngineConfig | None = None,
+        train_procs: int | None = None,
+        observe: ObserveConfig | None = None,
     ) -> None:
         if host not in LOOPBACK and not api_key:
             raise ValueError(
                 f"refusing to serve on {host!r} without an api_key: pass api_key=... "
                 "(or bind 127.0.0.1, the default)"
             )
-        self.service = ModelService(path, engine_config, serving=serving)
+        serving = _serving(serving, engine_config)
+        cuda = isinstance(serving, VLLMServing) and serving.device().startswith("cuda")
+        try:
+            group = train_group_for(train_procs, cuda=cuda)
+        except FollowerExit:
+            raise SystemExit(0) from None
+        self.service = ModelService(path, serving, train_group=group, observe=observe)
         self.host, self.port = host, port
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.recorder = RolloutRecorder()
@@ -107,6 +154,17 @@ class LocalBackend(ArtBackendMixin):
     async def history(self, model: ModelRef) -> list[dict[str, float]]:
         return self.service.get(model_name(model)).storage.read_history()
 
+    def record_logged(
+        self,
+        model: ModelRef,
+        split: str,
+        step: int,
+        metrics: dict[str, float],
+        groups: Sequence[TrajectoryGroup],
+    ) -> None:
+        """`model.log` wrote a step to history.jsonl: send it to the model's sinks too."""
+        self.service.record_logged(model_name(model), split, step, metrics, groups)
+
     async def close(self) -> None:
         if self._server is not None:
             self._server.stop()
@@ -118,3 +176,15 @@ class LocalBackend(ArtBackendMixin):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _serving(serving: ServingConfig | None, engine_config: EngineConfig | None) -> ServingConfig | None:
+    """`serving`, or the `TorchServing` that the `engine_config=` shorthand stands for."""
+    if engine_config is None:
+        return serving
+    if serving is not None:
+        raise TypeError(
+            "pass serving= or engine_config=, not both: TorchEngine's options go in "
+            "serving=TorchServing(engine_config=EngineConfig(...)); vLLM's in VLLMServing(vllm=VLLMEngineConfig(...))"
+        )
+    return TorchServing(engine_config=engine_config)

@@ -10,6 +10,13 @@ await model.train(groups, on_progress=lambda phase, metrics: print(phase))
 The routes are described in `art_core.host.routes`. This module imports neither the server
 nor the trainer, so a client process does not load transformers.
 
+Retries: each train request carries an idempotency key (`request_key`). If the connection breaks
+mid-step (the server was killed, restarted, or the network dropped), `train` waits for the server's
+`/health` (up to `retry_wait_s`), registers the model again if the server lost it, and resends the
+same request: a step the server had already committed is answered from its checkpoint, never
+trained twice; one it had not is trained. After `train_retries` failed retries it raises
+`RemoteUnavailableError` saying so.
+
 Timeouts: one long, configurable timeout (default an hour) per read, so registering a big
 model or a long training step never fails at an arbitrary short limit (ART #281); the train
 stream sends heartbeats, so that limit measures silence, not the whole step.
@@ -20,7 +27,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
+import time
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -40,6 +50,8 @@ from art_core.host.records import (
 )
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.training.config import TrainConfig
+
+logger = logging.getLogger(__name__)
 
 PREFIX = WIRE_PREFIX
 DEFAULT_TIMEOUT_S = 3600.0
@@ -109,13 +121,17 @@ def _error_of(response: httpx.Response) -> RemoteError:
     return remote_error(response.status_code, body)
 
 
-def encode_train_request(groups: Sequence[TrajectoryGroup], config: TrainConfig) -> bytes:
+def encode_train_request(
+    groups: Sequence[TrajectoryGroup], config: TrainConfig, request_key: str | None = None
+) -> bytes:
     """The JSON body of a train request. Non-finite floats stay `NaN`/`Infinity` (so the server
     can reject a non-finite reward by name instead of seeing it as missing)."""
-    payload = {
+    payload: dict[str, Any] = {
         "groups": [group.model_dump(mode="python") for group in groups],
         "config": dataclasses.asdict(config),
     }
+    if request_key is not None:
+        payload["request_key"] = request_key
     return json.dumps(payload, default=to_jsonable_python).encode()
 
 
@@ -130,6 +146,8 @@ class RemoteBackend(ArtBackendMixin):
 
     `api_key` defaults to `$ART_API_KEY`; `timeout` (seconds, None for none) bounds each wait
     for the server, including registration, which can take minutes for a big model.
+    `train_retries`: how often a train request whose connection broke is resent (same idempotency
+    key) once the server answers `/health` again within `retry_wait_s`; 0 to fail at once.
     """
 
     def __init__(
@@ -139,9 +157,17 @@ class RemoteBackend(ArtBackendMixin):
         *,
         timeout: float | None = DEFAULT_TIMEOUT_S,
         connect_timeout: float = 30.0,
+        train_retries: int = 2,
+        retry_wait_s: float = 600.0,
     ) -> None:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds (or None for no limit), got {timeout}")
+        if train_retries < 0 or retry_wait_s < 0:
+            raise ValueError(
+                f"train_retries and retry_wait_s must be >= 0, got {train_retries} and {retry_wait_s}"
+            )
+        self.train_retries, self.retry_wait_s = train_retries, retry_wait_s
+        self._specs: dict[str, ModelSpec] = {}
         self.base_url = normalize_base_url(base_url)
         self.api_key = api_key if api_key is not None else os.environ.get("ART_API_KEY")
         connect = connect_timeout if timeout is None else min(connect_timeout, timeout)
@@ -183,6 +209,7 @@ class RemoteBackend(ArtBackendMixin):
 
     async def register(self, spec: ModelSpec) -> InferenceInfo:
         data = await self._call("POST", PREFIX, json=spec.model_dump(mode="json"))
+        self._specs[spec.name] = spec
         return InferenceInfo(
             base_url=data["base_url"], api_key=self.api_key or NO_KEY, model_name=data["model_name"]
         )
@@ -214,7 +241,24 @@ class RemoteBackend(ArtBackendMixin):
         config: TrainConfig,
         on_progress: ProgressCallback | None,
     ) -> TrainResult:
-        body = encode_train_request(list(groups), config)
+        body = encode_train_request(list(groups), config, request_key=uuid.uuid4().hex)
+        for attempt in range(self.train_retries + 1):
+            try:
+                return await self._train_once(model, body, on_progress)
+            except RemoteUnavailableError as exc:
+                if attempt == self.train_retries:
+                    raise RemoteUnavailableError(
+                        0,
+                        f"{exc.message}; gave up after {self.train_retries} retries of this train request. "
+                        "The step may have been applied: check `await model.get_step()` before training again",
+                    ) from exc
+                logger.warning("train request to %s broke (%s); retrying once the server is back", self, exc)
+                await self._wait_until_back()
+        raise AssertionError("unreachable")
+
+    async def _train_once(
+        self, model: ModelRef, body: bytes, on_progress: ProgressCallback | None
+    ) -> TrainResult:
         headers = {"Content-Type": "application/json"}
         try:
             async with self._http().stream(
@@ -229,11 +273,29 @@ class RemoteBackend(ArtBackendMixin):
                         return result
         except httpx.TransportError as exc:
             raise self._unavailable(exc, "finish the training stream") from exc
-        raise RemoteError(
-            502,
+        raise RemoteUnavailableError(
+            0,
             "the server closed the training stream without a result or an error; the step may "
             "still have completed there: check `await model.get_step()`",
         )
+
+    async def _wait_until_back(self) -> None:
+        """Wait for `/health`, then register again every model this backend registered (a restarted
+        server has none; registering resumes each from its newest checkpoint)."""
+        deadline = time.monotonic() + self.retry_wait_s
+        while True:
+            try:
+                if (await self._http().get("/health", timeout=5.0)).is_success:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RemoteUnavailableError(
+                    0, f"{self.base_url} did not answer /health again within {self.retry_wait_s} s"
+                )
+            await asyncio.sleep(0.5)
+        for spec in self._specs.values():
+            await self._call("POST", PREFIX, json=spec.model_dump(mode="json"))
 
     async def get_step(self, model: ModelRef) -> int:
         return int((await self._call("GET", self._path(model, "/step")))["step"])

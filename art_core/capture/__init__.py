@@ -50,6 +50,7 @@ from art_core.capture.context import (
     tag_request,
     validate_rollout_id,
 )
+from art_core.capture.tool_log import TOOL_LOG_PREFIX, tool_calls_from_logs
 from art_core.rollouts.records import History, Message, Tool, Trajectory, Turn, turn_from_choice
 
 logger = logging.getLogger(__name__)
@@ -316,6 +317,7 @@ def trajectory_from_records(records: Sequence[CallRecord], **fields: Any) -> Tra
 
 __all__ = [
     "ROLLOUT_ID_HEADER",
+    "TOOL_LOG_PREFIX",
     "ActiveRollout",
     "CallRecord",
     "InvalidRolloutIdError",
@@ -337,6 +339,7 @@ __all__ = [
     "server_root",
     "set_active_rollout",
     "tag_request",
+    "tool_calls_from_logs",
     "trajectory_from_records",
     "validate_rollout_id",
 ]

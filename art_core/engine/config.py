@@ -71,6 +71,15 @@ class EngineConfig:
     logprobs differ from the fp32 trainer's (SmolLM2: ~0.03 nats on average, up to ~0.15), a mismatch
     the trainer's truncated importance sampling corrects; float32 reproduces peft's logprobs to ~1e-5."""
 
+    adapt_threads: bool = False
+    """Choose the decode loop's thread count by timing its own steps (`engine.torch.threads`): 1 or
+    every usable CPU, whichever is faster now, re-checked every few hundred steps and when steps
+    slow down. Under other work on the same cores fewer threads are often much faster (OpenMP's
+    barriers wait for descheduled threads; docs/benchmarks.md). Off by default: a matmul's float
+    rounding depends on its thread count, so with it on, the same seeded request can sample other
+    tokens from one moment to the next, and seeded runs stop reproducing. False: torch's thread
+    count as set."""
+
     def __post_init__(self) -> None:
         if self.serve_dtype != "auto" and not (
             isinstance(self.serve_dtype, torch.dtype) and self.serve_dtype.is_floating_point

@@ -9,7 +9,7 @@ trainer scores the same tokens without the mask, so the two agree.
 
 Why llguidance: it enforces numeric bounds and required fields (two other libraries did not) and
 needs no other package; its masking cost is in docs/benchmarks.md ("Constrained decoding").
-The Hermes tool-call tags come from `models.tool_format`.
+The tool-call syntax (Hermes tags, Llama 3 JSON, Mistral's marker) comes from `models.tool_format`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from art_core.models.tool_format import BLOCK_CLOSE, BLOCK_OPEN, END_OF_TURN
+from art_core.models.tool_format import BLOCK_CLOSE, BLOCK_OPEN, CallPieces
 
 _TOKENIZERS: dict[int, Any] = {}
 _LOCK = threading.Lock()
@@ -49,9 +49,7 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     with _LOCK:
         cached = _TOKENIZERS.get(key)
         if cached is None:
-            eos = tokenizer.convert_tokens_to_ids(END_OF_TURN)
-            if not isinstance(eos, int) or eos == tokenizer.unk_token_id:
-                eos = tokenizer.eos_token_id
+            eos = tokenizer.eos_token_id  # the end-of-turn token (`models.loading.prepare_chat_tokenizer`)
             cached = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos))
             _TOKENIZERS[key] = cached
         return cached[1]
@@ -88,19 +86,23 @@ def _function(entry: Any, what: str) -> dict[str, Any]:
     return function
 
 
-def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+def _call_schema(tool: dict[str, Any], arguments_key: str = "arguments") -> dict[str, Any]:
     function = _function(tool, "each tool")
     parameters = function.get("parameters") or {"type": "object"}
     return {
         "type": "object",
-        "properties": {"name": {"const": function.get("name")}, "arguments": parameters},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": function.get("name")}, arguments_key: parameters},
+        "required": ["name", arguments_key],
         "additionalProperties": False,
     }
 
 
 def tool_call_grammar(
-    tools: list[dict[str, Any]], tool_choice: Any, *, tag_ids: tuple[int, int] | None = None
+    tools: list[dict[str, Any]],
+    tool_choice: Any,
+    *,
+    tag_ids: tuple[int, int] | None = None,
+    pieces: CallPieces | None = None,
 ) -> Grammar:
     """A grammar that forces one Hermes tool call: `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`.
 
@@ -108,7 +110,9 @@ def tool_call_grammar(
     allows only `n`. Arguments must satisfy the tool's parameter schema. `tag_ids` are the token
     ids of `<tool_call>` and `</tool_call>` when the tokenizer has them as single added tokens
     (Qwen-style; `models.tool_format.tag_ids`); then the grammar names those tokens instead of
-    spelling the text.
+    spelling the text. `pieces` (`models.tool_format.call_pieces`) gives another format's syntax
+    around the call's JSON (Llama 3's bare `{"name": ..., "parameters": ...}`, Mistral's
+    `[TOOL_CALLS] [...]`); it replaces `tag_ids`.
     """
     if not tools:
         raise GrammarError("tool_choice requires a non-empty `tools` list")
@@ -125,9 +129,11 @@ def tool_call_grammar(
         raise GrammarError(
             f"unsupported tool_choice {tool_choice!r}: use 'auto', 'none', 'required' or a function"
         )
-    schemas = [_call_schema(t) for t in chosen]
+    schemas = [_call_schema(t, pieces.arguments_key if pieces else "arguments") for t in chosen]
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    if tag_ids is None:
+    if pieces is not None:
+        start = f"start: {' '.join([*map(_lark_piece, pieces.before), 'body', *map(_lark_piece, pieces.after)])}\n"
+    elif tag_ids is None:
         start = f"start: {json.dumps(BLOCK_OPEN)} body {json.dumps(BLOCK_CLOSE)}\n"
     else:
         start = f'start: <[{tag_ids[0]}]> "\\n" body "\\n" <[{tag_ids[1]}]>\n'
@@ -137,6 +143,11 @@ def tool_call_grammar(
     # The JSON inside a lark grammar takes its options from "x-guidance".
     lark = lark.replace("%json{", "%json{" + f'"x-guidance": {json.dumps(_json_options())}, ', 1)
     return _validated(Grammar(LLMatcher.grammar_from_lark(lark), description))
+
+
+def _lark_piece(piece: str | int) -> str:
+    """A lark term for one piece: a token by id (`<[id]>`) or a string literal."""
+    return f"<[{piece}]>" if isinstance(piece, int) else json.dumps(piece)
 
 
 def _validated(grammar: Grammar) -> Grammar:

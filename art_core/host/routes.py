@@ -74,6 +74,9 @@ class TrainRequest(BaseModel):
     groups: list[TrajectoryGroup]
     config: dict[str, Any] = Field(default_factory=dict)
     """`dataclasses.asdict(TrainConfig)`; missing fields take their defaults."""
+    request_key: str | None = Field(default=None, min_length=8, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    """An idempotency key: a retry with the key of the request that committed the newest step gets
+    that step's result again, and nothing trains twice (`ModelService.train`)."""
 
 
 class StepResponse(BaseModel):
@@ -161,11 +164,18 @@ class TrainStream:
     _running: set[asyncio.Task[TrainResult]] = set()
     """Tasks whose stream was dropped (client gone) still finish; this keeps them referenced."""
 
-    def __init__(self, service: ModelService, name: str, groups: list[TrajectoryGroup], config: TrainConfig):
+    def __init__(
+        self,
+        service: ModelService,
+        name: str,
+        groups: list[TrajectoryGroup],
+        config: TrainConfig,
+        request_key: str | None = None,
+    ):
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
         self._started = time.monotonic()
-        self.task = asyncio.create_task(service.train(name, groups, config, self._on_progress))
+        self.task = asyncio.create_task(service.train(name, groups, config, self._on_progress, request_key))
         TrainStream._running.add(self.task)
         self.task.add_done_callback(self._finished)
 
@@ -215,7 +225,7 @@ async def _start_training(
     """Start training; return the stream and its first event, or raise the APIError of an early failure."""
     _check_registered(service, name)
     config = decode_train_config(body.config)
-    stream = TrainStream(service, name, body.groups, config)
+    stream = TrainStream(service, name, body.groups, config, body.request_key)
     while True:  # heartbeats here mean another step of this model holds its lock: keep waiting
         first = await stream.next_event()
         if isinstance(first, BaseException):

@@ -8,9 +8,9 @@ engine pauses while a step trains, then serves the new LoRA at once.
 Served names: `name` is the latest weights; `name@step` is a checkpoint (the latest step is
 the live adapter; older steps are loaded from disk on first use).
 
-Engines (`ServingConfig.engine`). `torch` (the default): TorchEngine generates from the very peft
-model being trained. `vllm`: VLLMEngine serves from its own copy of the base weights (its own
-process; the trainer's model moves to the GPU when there is one). After each train step the
+Engines (`serving`, a `ServingConfig`: see `host.serving`). `TorchServing` (the default): TorchEngine
+generates from the very peft model being trained. `VLLMServing`: VLLMEngine serves from its own copy of
+the base weights (its own process; the trainer's model moves to the GPU when there is one). After each train step the
 checkpoint is hot-loaded into it before requests resume (`VLLMAdapterRouter`): `name` is the
 newest step, `name@step` exactly that step's checkpoint. The pause around the train step puts
 vLLM to sleep where sleep mode is on (GPU), so training has the GPU memory.
@@ -22,19 +22,23 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from art_core.engine.config import EngineConfig
+from peft import PeftModel
+
 from art_core.engine.errors import UnknownAdapterError
 from art_core.engine.protocol import Engine
 from art_core.engine.torch.engine import TorchEngine
 from art_core.engine.vllm.config import VLLMEngineConfig, require_vllm
 from art_core.engine.vllm.router import VLLMAdapterRouter
 from art_core.host.records import ModelSpec, ProgressCallback, TrainResult
+from art_core.host.serving import ServingConfig, TorchServing, VLLMServing
+from art_core.host.sinks import ObserveConfig, SinkRunner, StepRecord, build_sinks
 from art_core.host.step_record import PhaseTimer, rollout_seconds, train_record
+from art_core.host.train_group import TrainGroup
 from art_core.models.loading import LoadedModel, load_model
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.server.router import ServedModel, UnknownModelError
@@ -56,39 +60,6 @@ LIVE_ADAPTER = "live"
 """The peft adapter name of the weights being trained (served as `name`)."""
 
 
-@dataclass(frozen=True)
-class ServingConfig:
-    """Which engine serves a `ModelService`'s models (the trainer always runs in-process)."""
-
-    engine: Literal["torch", "vllm"] = "torch"
-    """`torch`: TorchEngine serves the model being trained, its live LoRA in place (one copy of the
-    weights; the CPU default). `vllm`: VLLMEngine serves from its own copy, each step's checkpoint
-    hot-loaded (`name` is the newest step, `name@step` that step); needs vLLM (the `vllm` extra,
-    or scripts/setup_vllm_cpu.sh on CPU)."""
-    vllm: VLLMEngineConfig | None = None
-    """How VLLMEngine is built (engine="vllm" only); None: `VLLMEngineConfig()`, whose defaults
-    sleep while training and skip CUDA graphs where CUDA is unavailable."""
-    trainer_device: str | None = None
-    """Where the trainer's model lives with engine="vllm": None = "cuda" when available, else "cpu".
-    (With engine="torch" it stays on CPU, where TorchEngine serves it.)"""
-
-    def __post_init__(self) -> None:
-        if self.engine not in ("torch", "vllm"):
-            raise ValueError(f"engine must be 'torch' or 'vllm', got {self.engine!r}")
-        if self.engine == "torch" and (self.vllm is not None or self.trainer_device is not None):
-            raise ValueError(
-                "vllm and trainer_device apply to engine='vllm' only: pass ServingConfig(engine='vllm', ...)"
-            )
-
-    def device(self) -> str:
-        """The trainer's device (engine="vllm")."""
-        if self.trainer_device is not None:
-            return self.trainer_device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 @dataclass
 class HostedModel:
     """One registered model and everything that serves and trains it."""
@@ -104,32 +75,35 @@ class HostedModel:
     """TorchEngine: older steps loaded as adapters `step<k>`, by step."""
     adapters: VLLMAdapterRouter | None = None
     """VLLMEngine: the adapters serving `name` and `name@step` (None with TorchEngine)."""
+    sinks: SinkRunner = field(default_factory=lambda: SinkRunner([]))
+    """Where each step goes after history.jsonl (W&B, Langfuse; see `host.sinks`)."""
 
 
 class ModelService:
     """Registered models of this process; also the server's `ModelRouter`.
 
-    `engine_config` configures TorchEngine; `serving` chooses the engine (raises
-    VLLMNotInstalledError at once for engine="vllm" where vLLM is missing).
+    `serving` chooses the engine and carries its options: `TorchServing(engine_config=EngineConfig(...))`
+    (the default) or `VLLMServing(vllm=VLLMEngineConfig(...))`, which raises VLLMNotInstalledError at
+    once where vLLM is missing; `observe` chooses the sinks each step goes to after
+    history.jsonl (default: W&B and Langfuse where installed and configured).
     """
 
     def __init__(
         self,
         base_path: Path | str = ".art",
-        engine_config: EngineConfig | None = None,
-        *,
         serving: ServingConfig | None = None,
+        *,
+        train_group: TrainGroup | None = None,
+        observe: ObserveConfig | None = None,
     ) -> None:
+        """`train_group`: train every model on that group's processes (data-parallel; see
+        art_core.host.train_group); None trains in this process alone."""
         self.base_path = Path(base_path)
-        self.serving = serving or ServingConfig()
-        if self.serving.engine == "vllm":
-            if engine_config is not None and engine_config != EngineConfig():
-                raise ValueError(
-                    "engine_config configures TorchEngine, but serving.engine is 'vllm': "
-                    "set vLLM's options in ServingConfig(vllm=VLLMEngineConfig(...))"
-                )
+        self.train_group = train_group
+        self.serving = _variant(serving)
+        self.observe = observe or ObserveConfig()
+        if isinstance(self.serving, VLLMServing):
             require_vllm()
-        self.engine_config = engine_config or EngineConfig()
         self._models: dict[str, HostedModel] = {}
         self._lock = threading.Lock()
 
@@ -153,46 +127,72 @@ class ModelService:
 
     def _load(self, spec: ModelSpec) -> HostedModel:
         started = time.perf_counter()
-        vllm_config = self._vllm_config(spec)
+        serving = self.serving
+        if isinstance(serving, VLLMServing):
+            _check_lora_rank(spec, serving.vllm)
         loaded = load_model(spec.base_model, trust_remote_code=spec.trust_remote_code)
-        if vllm_config is not None:
-            loaded.model.to(self.serving.device())  # type: ignore[arg-type]  # transformers types `to` oddly
+        if isinstance(serving, VLLMServing):
+            loaded.model.to(serving.device())  # type: ignore[arg-type]  # transformers types `to` oddly
         peft_model = attach_lora(loaded.model, spec.lora, adapter_name=LIVE_ADAPTER)
         storage = ModelStorage.create(self.base_path, spec.project, spec.name)
+        storage.recover()  # a crash's leftovers: a step's missing history line, temporary files, ...
         storage.write_json("model.json", spec.model_dump(mode="json"))
-        trainer = Trainer(peft_model, pad_id=_pad_id(loaded), adapter_name=LIVE_ADAPTER, config=TrainConfig())
+        trainer = self._trainer(spec, peft_model, loaded)
         step = storage.latest_step()
         if storage.steps():
             trainer.load_state(storage.checkpoint_dir(step))
             logger.info("resumed %s from step %d", spec.name, step)
         else:
             storage.write_checkpoint(0, trainer.save_state)
-        if vllm_config is None:
+        if isinstance(serving, TorchServing):
             config = replace(
-                self.engine_config, max_context=_served_context(loaded, self.engine_config.max_context)
+                serving.engine_config, max_context=_served_context(loaded, serving.engine_config.max_context)
             )
             engine = TorchEngine(peft_model, loaded.tokenizer, config)
             hosted = HostedModel(spec, loaded, engine, trainer, storage, step)
         else:
-            hosted = self._hosted_on_vllm(spec, loaded, trainer, storage, step, vllm_config)
+            hosted = self._hosted_on_vllm(spec, loaded, trainer, storage, step, serving.vllm)
+        hosted.sinks = self._sinks(spec, storage)
         logger.info("registered %s (%s) in %.1fs", spec.name, spec.base_model, time.perf_counter() - started)
         return hosted
 
-    def _vllm_config(self, spec: ModelSpec) -> VLLMEngineConfig | None:
-        """The vLLM engine's config for `spec` (None: TorchEngine serves); checked before anything loads."""
-        if self.serving.engine != "vllm":
-            return None
-        config = self.serving.vllm or VLLMEngineConfig()
-        if not config.enable_lora:
-            raise ValueError(
-                "the service serves trained LoRA adapters: VLLMEngineConfig needs enable_lora=True"
+    def _sinks(self, spec: ModelSpec, storage: ModelStorage) -> SinkRunner:
+        try:
+            sinks = build_sinks(self.observe, storage.root, spec.project, spec.name)
+        except Exception as exc:  # observability never stops a run
+            logger.warning(
+                "no W&B/Langfuse logging for %s (%s: %s); history.jsonl has every metric",
+                spec.name,
+                type(exc).__name__,
+                exc,
             )
-        if spec.lora.r > config.max_lora_rank:
-            raise ValueError(
-                f"LoRA rank {spec.lora.r} is above the vLLM engine's max_lora_rank {config.max_lora_rank}: "
-                "raise VLLMEngineConfig.max_lora_rank (art serve: --vllm-option max_lora_rank=N) or lower the rank"
+            sinks = []
+        return SinkRunner(sinks, queue_size=self.observe.queue_size)
+
+    def record_logged(
+        self, name: str, split: str, step: int, metrics: dict[str, Any], groups: Sequence[TrajectoryGroup]
+    ) -> None:
+        """Send a step `model.log` wrote to history.jsonl to the model's sinks."""
+        hosted = self._models.get(name)
+        if hosted is not None:  # a model logged but not registered here has no sinks
+            hosted.sinks.submit(
+                StepRecord(hosted.spec.project, name, step, split, dict(metrics), list(groups))
             )
-        return config
+
+    def _trainer(self, spec: ModelSpec, peft_model: PeftModel, loaded: LoadedModel) -> Trainer:
+        if self.train_group is None:
+            return Trainer(
+                peft_model, pad_id=_pad_id(loaded), adapter_name=LIVE_ADAPTER, config=TrainConfig()
+            )
+        return self.train_group.trainer(
+            spec.name,
+            peft_model,
+            base_model=spec.base_model,
+            lora=spec.lora,
+            pad_id=_pad_id(loaded),
+            trust_remote_code=spec.trust_remote_code,
+            adapter_name=LIVE_ADAPTER,
+        )
 
     def _hosted_on_vllm(
         self,
@@ -282,10 +282,18 @@ class ModelService:
         groups: Sequence[TrajectoryGroup],
         config: TrainConfig,
         on_progress: ProgressCallback | None = None,
+        request_key: str | None = None,
     ) -> TrainResult:
-        """Train one step on `groups` in a worker thread; inference waits meanwhile."""
+        """Train one step on `groups` in a worker thread; inference waits meanwhile.
+
+        `request_key` makes the call idempotent: if the newest step was committed by a request with
+        the same key (a client retrying after a lost connection or a server restart), its result is
+        answered again and nothing trains.
+        """
         hosted = self.get(name)
-        return await asyncio.to_thread(self._train_sync, hosted, list(groups), config, on_progress)
+        return await asyncio.to_thread(
+            self._train_sync, hosted, list(groups), config, on_progress, request_key
+        )
 
     def _train_sync(
         self,
@@ -293,9 +301,12 @@ class ModelService:
         groups: list[TrajectoryGroup],
         config: TrainConfig,
         on_progress: ProgressCallback | None,
+        request_key: str | None = None,
     ) -> TrainResult:
         notify = on_progress or (lambda phase, metrics: None)
         with hosted.train_lock:
+            if request_key is not None and hosted.storage.request_key(hosted.step) == request_key:
+                return _replayed(hosted)
             started, step = time.perf_counter(), hosted.step + 1
             timer, rollout_s = PhaseTimer(), rollout_seconds(groups, time.time())
             prepared = prepare_batch(
@@ -306,12 +317,17 @@ class ModelService:
             )
             notify("prepare", prepared.metrics)
             hosted.engine.pause()
+
+            def record(checkpoint_s: float) -> dict[str, Any]:
+                seconds = {**rollout_s, **timer.seconds, "checkpoint": checkpoint_s}
+                return train_record(step, groups, prepared.metrics, metrics, seconds)
+
             try:
                 with timer("train"):
                     metrics = hosted.trainer.train_step(prepared, config)
                 if hosted.adapters is not None:  # vLLM: load the new step before waiting requests resume
                     with timer("checkpoint"):
-                        self._checkpoint(hosted)
+                        self._commit(hosted, groups, record, request_key)
                     with timer("publish"):
                         hosted.adapters.publish(hosted.step, hosted.storage.checkpoint_dir(hosted.step))
             finally:
@@ -327,26 +343,43 @@ class ModelService:
                 logger.info("step %d %s", step, warnings[0])
             if hosted.adapters is None:
                 with timer("checkpoint"):
-                    self._checkpoint(hosted)
+                    self._commit(hosted, groups, record, request_key)
             notify("checkpoint", {"step": float(hosted.step)})
             seconds = {**rollout_s, **timer.seconds, "step": time.perf_counter() - started}
-            record = train_record(hosted.step, groups, prepared.metrics, metrics, seconds)
-            hosted.storage.append_history(record)
-            hosted.storage.write_trajectories("train", hosted.step, groups)
-            notify("done", {k: float(v) for k, v in record.items()})
+            final = train_record(hosted.step, groups, prepared.metrics, metrics, seconds)
+            final.update(hosted.sinks.error_metrics())
+            hosted.storage.append_history(final)
+            hosted.sinks.submit(
+                StepRecord(hosted.spec.project, hosted.spec.name, hosted.step, "train", final, groups)
+            )
+            notify("done", {k: float(v) for k, v in final.items()})
             return TrainResult(
                 step=hosted.step,
                 trained=trained,
-                metrics={k: float(v) for k, v in record.items()},
+                metrics={k: float(v) for k, v in final.items()},
                 warnings=warnings,
             )
 
     @staticmethod
-    def _checkpoint(hosted: HostedModel) -> None:
-        # The step advances on every call, trained or not, so that `get_step()` is also the
-        # data position a resumed run continues from.
-        hosted.step += 1
-        hosted.storage.write_checkpoint(hosted.step, hosted.trainer.save_state)
+    def _commit(
+        hosted: HostedModel,
+        groups: list[TrajectoryGroup],
+        record: Callable[[float], dict[str, Any]],
+        request_key: str | None,
+    ) -> None:
+        """Commit step `hosted.step + 1` (`ModelStorage.commit_step`: trajectories, then the
+        checkpoint holding the history line `record(checkpoint_s)`); the step advances only then.
+        It advances on every step, trained or not, so that `get_step()` is also the data position a
+        resumed run continues from."""
+        step, started = hosted.step + 1, time.perf_counter()
+        hosted.storage.commit_step(
+            step,
+            groups,
+            hosted.trainer.save_state,
+            lambda: record(time.perf_counter() - started),
+            request_key,
+        )
+        hosted.step = step
 
     def delete_checkpoints(self, name: str, keep: Iterable[int]) -> list[int]:
         hosted = self.get(name)
@@ -361,8 +394,26 @@ class ModelService:
 
     def close(self) -> None:
         for hosted in self._models.values():
+            hosted.sinks.close()
             hosted.engine.close()
         self._models.clear()
+        if self.train_group is not None:
+            self.train_group.close()
+
+
+def _replayed(hosted: HostedModel) -> TrainResult:
+    """The result of the step a retried request already committed (its history line), trained again never."""
+    record = hosted.storage.step_record(hosted.step) or {"step": hosted.step}
+    logger.warning("step %d: a retried train request already committed it; not training again", hosted.step)
+    return TrainResult(
+        step=hosted.step,
+        trained=bool(record.get("trained", 0)),
+        metrics={k: float(v) for k, v in record.items() if isinstance(v, int | float)},
+        warnings=[
+            f"this request was already applied as step {hosted.step} (a retry after a lost connection "
+            "or a server restart); it was not trained again"
+        ],
+    )
 
 
 def untrained_reason(batch_metrics: dict[str, float], train_metrics: dict[str, float]) -> str:
@@ -385,6 +436,27 @@ def untrained_reason(batch_metrics: dict[str, float], train_metrics: dict[str, f
         if n := batch_metrics.get(key, 0):
             parts.append(f"{int(n)} {what}")
     return "; ".join(parts) or "no example had a non-zero advantage"
+
+
+def _variant(serving: ServingConfig | None) -> TorchServing | VLLMServing:
+    """`serving` as one of the two variants (None: `TorchServing()`); anything else is a TypeError."""
+    if serving is None:
+        return TorchServing()
+    if isinstance(serving, TorchServing | VLLMServing):
+        return serving
+    raise TypeError(
+        f"serving must be TorchServing(...) or VLLMServing(...), got {type(serving).__name__}: TorchEngine's "
+        "EngineConfig goes in TorchServing(engine_config=...), vLLM's VLLMEngineConfig in VLLMServing(vllm=...)"
+    )
+
+
+def _check_lora_rank(spec: ModelSpec, config: VLLMEngineConfig) -> None:
+    """vLLM loads adapters up to `max_lora_rank`; checked before anything loads."""
+    if spec.lora.r > config.max_lora_rank:
+        raise ValueError(
+            f"LoRA rank {spec.lora.r} is above the vLLM engine's max_lora_rank {config.max_lora_rank}: "
+            "raise VLLMEngineConfig.max_lora_rank (art serve: --vllm-option max_lora_rank=N) or lower the rank"
+        )
 
 
 def _served_context(loaded: LoadedModel, cap: int | None) -> int:

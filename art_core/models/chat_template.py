@@ -1,8 +1,9 @@
 """The chat template: ChatML with Hermes-style tool calls, and rendering OpenAI messages with it.
 
-Holds `HERMES_TOOL_TEMPLATE` (for models whose own template cannot render tools, e.g. SmolLM2),
-`ensure_tool_template` (which template a tokenizer keeps, by a probe render) and `render_prompt`
-/ `render_text`. The tool-call format itself (tags, `format_calls`, `parse_calls`) is
+Holds `HERMES_TOOL_TEMPLATE` (for ChatML models whose own template cannot render tools, e.g.
+SmolLM2), `ensure_tool_template` (which template and `ToolFormat` a tokenizer gets, by probe
+renders; `tool_format_of` reads it back), `inline_tools` (tools written into plain messages for a
+template with no tool support, e.g. Gemma 3's and Phi-3's) and `render_prompt` / `render_text`. The tool-call format itself (tags, `format_calls`, `parse_calls`) is
 `models.tool_format`; the template renders calls exactly as `format_calls` writes them.
 
 Exact-token property: an assistant message with plain content renders as the generation
@@ -14,9 +15,20 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from typing import Any
 
-from art_core.models.tool_format import END_OF_TURN, OPEN, parse_arguments
+from art_core.models.tool_format import (
+    END_OF_TURN,
+    HERMES,
+    MISTRAL_CALLS,
+    OPEN,
+    RESPONSE_CLOSE,
+    RESPONSE_OPEN,
+    ToolFormat,
+    format_calls,
+    parse_arguments,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,13 +134,13 @@ _PROBE_MESSAGES: list[dict[str, Any]] = [
         "content": "",
         "tool_calls": [
             {
-                "id": "call_probe",
+                "id": "callprobe",  # 9 alphanumerics: Mistral's template refuses other ids
                 "type": "function",
                 "function": {"name": f"{_PROBE}_tool", "arguments": {"q": f"{_PROBE}_argument"}},
             }
         ],
     },
-    {"role": "tool", "tool_call_id": "call_probe", "content": f"{_PROBE}_result"},
+    {"role": "tool", "tool_call_id": "callprobe", "content": f"{_PROBE}_result"},
 ]
 
 
@@ -157,23 +169,140 @@ def _default_system_of(tokenizer: Any) -> str:
     return str(text[len(head) : text.index(END_OF_TURN)])
 
 
-def ensure_tool_template(tokenizer: Any) -> None:
-    """Install our tool template on `tokenizer` unless its own template already renders tools.
+class UnsupportedModelError(ValueError):
+    """A model our server cannot chat with (no chat template, or tools in a format we cannot parse);
+    raised when the model is loaded, so registration fails, not the first request."""
 
-    A replaced ChatML template keeps its default system prompt (SmolLM2's "You are a helpful AI
-    assistant named SmolLM, trained by Hugging Face").
+
+_FORMATS: weakref.WeakKeyDictionary[Any, ToolFormat] = weakref.WeakKeyDictionary()
+_REPLY = f"{_PROBE}_reply"
+
+
+def _render_or_none(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str | None:
+    try:
+        return str(tokenizer.apply_chat_template(messages, tokenize=False, **kwargs))
+    except Exception as exc:  # any template error means: cannot render this
+        logger.debug("chat template failed on a probe: %s", exc)
+        return None
+
+
+def _end_of_turn(tokenizer: Any) -> str:
+    """The added token the template writes right after an assistant reply; else the eos token."""
+    text = _render_or_none(
+        tokenizer, [{"role": "user", "content": _PROBE}, {"role": "assistant", "content": _REPLY}]
+    )
+    if text is not None and _REPLY in text:
+        after = text[text.index(_REPLY) + len(_REPLY) :]
+        for token in sorted(tokenizer.get_added_vocab(), key=len, reverse=True):
+            if token and after.startswith(token):
+                return str(token)
+    return str(tokenizer.eos_token or END_OF_TURN)
+
+
+def _native_format(text: str, end_of_turn: str) -> ToolFormat | None:
+    """The format of a probe conversation the model's own template rendered with tools."""
+    if OPEN in text:
+        return ToolFormat("hermes", end_of_turn)
+    if MISTRAL_CALLS in text:
+        return ToolFormat("mistral", end_of_turn)
+    if f'"name": "{_PROBE}_tool", "parameters": ' in text:
+        return ToolFormat("llama3_json", end_of_turn)
+    return None
+
+
+def ensure_tool_template(tokenizer: Any) -> ToolFormat:
+    """Choose how `tokenizer` renders tools, and remember it (`tool_format_of`):
+
+    - its own template renders tools in a format we parse (Hermes, Llama 3 JSON, Mistral): kept;
+    - a ChatML template without tools (SmolLM2): replaced by ours, keeping its default system
+      prompt ("You are a helpful AI assistant named SmolLM, trained by Hugging Face");
+    - another template without tools (Gemma 3, Phi-3): kept, with tools written into its plain
+      messages (`inline_tools`).
+    Raises `UnsupportedModelError` for a tokenizer with no chat template, or one that renders tools
+    in a format we cannot parse.
     """
+    if not getattr(tokenizer, "chat_template", None):
+        raise UnsupportedModelError(
+            "the model's tokenizer has no chat template, so it cannot serve chat completions or tool "
+            "calls. Use an instruct/chat model, or set `tokenizer.chat_template` and save it with the model."
+        )
+    end = _end_of_turn(tokenizer)
     text = _probe_render(tokenizer)
     if text is not None and all(f"{_PROBE}_{s}" in text for s in ("tool", "argument", "result")):
-        if OPEN not in text:
-            logger.warning(
-                "Keeping the model's own tool template, but it does not use <tool_call> blocks; "
-                "parse_calls will not find tool calls in its completions."
+        native = _native_format(text, end)
+        if native is None:
+            raise UnsupportedModelError(
+                "the model's chat template renders tool calls in a format this server cannot parse "
+                "(known: Hermes <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS]). Replace "
+                "`tokenizer.chat_template` with one in a known format."
             )
-        return
-    default_system = _default_system_of(tokenizer)
-    logger.info("Installing the Hermes tool chat template (default system prompt: %r)", default_system)
-    tokenizer.chat_template = hermes_tool_template(default_system)
+        return _remember(tokenizer, native)
+    plain = _render_or_none(tokenizer, [{"role": "user", "content": _PROBE}], add_generation_prompt=True)
+    if plain is None:
+        raise UnsupportedModelError(
+            "the model's chat template cannot render even one user message; fix `tokenizer.chat_template`."
+        )
+    if "<|im_start|>" in plain:
+        default_system = _default_system_of(tokenizer)
+        logger.info("Installing the Hermes tool chat template (default system prompt: %r)", default_system)
+        tokenizer.chat_template = hermes_tool_template(default_system)
+        return _remember(tokenizer, HERMES)
+    logger.info("The chat template renders no tools: writing Hermes tool text into its messages")
+    return _remember(tokenizer, ToolFormat("hermes", end, in_content=True))
+
+
+def _remember(tokenizer: Any, fmt: ToolFormat) -> ToolFormat:
+    _FORMATS[tokenizer] = fmt
+    return fmt
+
+
+def tool_format_of(tokenizer: Any) -> ToolFormat:
+    """The tool format `ensure_tool_template` chose for `tokenizer` (chosen now if it never ran)."""
+    fmt = _FORMATS.get(tokenizer)
+    return fmt if fmt is not None else ensure_tool_template(tokenizer)
+
+
+def _tools_text(tools: list[dict[str, Any]]) -> str:
+    """The tool instructions of our Hermes template, as plain text."""
+    listed = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>{listed}\n</tools>"
+        "\n\nFor each function call, return a json object with function name and arguments within "
+        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        "<args-json-object>}\n</tool_call>"
+    )
+
+
+def inline_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Normalized `messages` with tools written as Hermes text, for a template with no tool support:
+    the tool list joins the system message, an assistant's calls become `<tool_call>` blocks of its
+    content, and tool results become user turns of `<tool_response>` blocks (merged with adjacent
+    user turns, so roles still alternate user/assistant as Gemma's template requires)."""
+    out: list[dict[str, Any]] = []
+    if tools:
+        if messages and messages[0].get("role") == "system":
+            system, messages = messages[0], messages[1:]
+            text = f"{system.get('content') or ''}\n\n{_tools_text(tools)}".lstrip()
+        else:
+            text = _tools_text(tools)
+        out.append({"role": "system", "content": text})
+    for message in messages:
+        role, content = message.get("role"), message.get("content") or ""
+        if role == "assistant" and message.get("tool_calls"):
+            calls = format_calls(message["tool_calls"])
+            out.append({"role": "assistant", "content": f"{content}\n{calls}" if content else calls})
+        elif role == "tool":
+            block = f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"
+            if out and out[-1]["role"] == "user":
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + block}
+            else:
+                out.append({"role": "user", "content": block})
+        elif role == "user" and out and out[-1]["role"] == "user":
+            out[-1] = {"role": "user", "content": out[-1]["content"] + "\n\n" + content}
+        else:
+            out.append({"role": role, "content": content})
+    return out
 
 
 def _content_text(content: Any) -> str:
@@ -193,7 +322,9 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for message in messages:
         m = dict(message)
         m["content"] = _content_text(m.get("content"))
-        if m.get("tool_calls"):
+        if not m.get("tool_calls"):
+            m.pop("tool_calls", None)  # Llama 3's template tests `'tool_calls' in message`
+        else:
             calls = []
             for call in m["tool_calls"]:
                 call = dict(call)
@@ -213,10 +344,14 @@ def render_text(
     *,
     add_generation_prompt: bool = True,
 ) -> str:
-    """The prompt text the tokenizer's chat template renders for OpenAI-style `messages`."""
+    """The prompt text the tokenizer's chat template renders for OpenAI-style `messages` (with the
+    tools written into the messages when its template has no tool support: `inline_tools`)."""
+    normalized = normalize_messages(messages)
+    if tool_format_of(tokenizer).in_content:
+        normalized, tools = inline_tools(normalized, tools), None
     return str(
         tokenizer.apply_chat_template(
-            normalize_messages(messages),
+            normalized,
             tools=tools or None,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,

@@ -1,13 +1,16 @@
 """Llama/Qwen2 tensor ops that both our decode step and our training forward compute.
 
 Holds `rotate` (the rotary position embedding, transformers' `apply_rotary_pos_emb` for one
-position per leading index). The engine's `engine.torch.decode_step` and the trainer's
+position per leading index), `layer_types` and `plain_layer_math` (the config rule both fast paths
+share: which attention kinds, windows and soft-capping they implement). The engine's `engine.torch.decode_step` and the trainer's
 `training.packed_forward` each run their own layer loop but must rotate exactly as transformers
 does, so the op lives once here, below both. Left out: the layer loops, attention and the fused
 projections (each caller's own).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -22,3 +25,28 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """Rotary embedding (transformers' `apply_rotary_pos_emb`) of [..., heads, head_dim] with cos/sin
     [..., 1, head_dim]: one token position per leading index, broadcast over the heads."""
     return x * cos + rotate_half(x) * sin
+
+
+SLIDING_WINDOW_FAMILIES = frozenset({"gemma3"})
+"""Families whose `layer_types` may mix sliding-window and global layers in the fast paths."""
+
+
+def layer_types(config: Any) -> list[str]:
+    """Each layer's attention kind (`full_attention`, `sliding_attention`, ...); all full when unsaid."""
+    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+
+
+def plain_layer_math(config: Any, family: str) -> bool:
+    """Whether a `family` model with `config` runs only the math the fast paths implement: full
+    attention (plus sliding-window layers for Gemma 3), no model-wide window (Mistral's applies to
+    every layer, and `layer_types` does not say so), no soft-capping, causal attention."""
+    allowed = (
+        {"full_attention", "sliding_attention"} if family in SLIDING_WINDOW_FAMILIES else {"full_attention"}
+    )
+    if any(kind not in allowed for kind in layer_types(config)):
+        return False
+    if family == "mistral" and getattr(config, "sliding_window", None) is not None:
+        return False
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
+        return False
+    return not getattr(config, "use_bidirectional_attention", False)

@@ -186,12 +186,13 @@ def load_model(
 
 
 def prepare_chat_tokenizer(tokenizer: Any, model: PreTrainedModel | None = None) -> None:
-    """Give `tokenizer` a tool template, `<|im_end|>` as eos for ChatML models and a pad token; sync `model`."""
-    ensure_tool_template(tokenizer)
+    """Give `tokenizer` a tool format (`ensure_tool_template`; `UnsupportedModelError` when it has
+    none), its template's end-of-turn token as eos (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`...)
+    and a pad token; sync `model`."""
+    end_of_turn = ensure_tool_template(tokenizer).end_of_turn
     vocab = tokenizer.get_vocab()
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    if _END_OF_TURN in vocab and _END_OF_TURN in template:
-        tokenizer.eos_token = _END_OF_TURN
+    if end_of_turn in vocab:
+        tokenizer.eos_token = end_of_turn
     if tokenizer.pad_token is None or tokenizer.pad_token == tokenizer.eos_token:
         if _PAD in vocab and _PAD != tokenizer.eos_token:
             tokenizer.pad_token = _PAD

@@ -43,6 +43,9 @@ class Turn(BaseModel):
     """The served model name that produced it, e.g. `agent-001@3`."""
     finish_reason: str = "stop"
     """`stop`, `length` or `tool_calls`."""
+    seconds: float | None = None
+    """Wall-clock seconds the server took, from the request's arrival to its answer; recorded for
+    captured rollouts (None where the turn came from a client's response)."""
 
     @model_validator(mode="after")
     def _aligned(self) -> Turn:

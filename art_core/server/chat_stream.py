@@ -27,6 +27,7 @@ from art_core.engine.config import GenerationRequest
 from art_core.engine.deltas import DeltaStream, RowDelta, token_stream
 from art_core.engine.detokenizer import IncrementalDetokenizer, held_prefix, settled_text
 from art_core.models import tool_format
+from art_core.models.chat_template import tool_format_of
 from art_core.server.chat_completion import PreparedChat, chat_choice, prepare_chat
 from art_core.server.errors import engine_call, engine_error
 from art_core.server.openai_format import ChatChoice, ChatCompletionRequest, build_response, logprobs_of
@@ -35,7 +36,7 @@ from art_core.server.router import ModelRouter, ServedModel
 logger = logging.getLogger(__name__)
 
 TOOL_CALL_TAG = tool_format.OPEN
-"""Where streamed content stops when tool calls are parsed (the Hermes format, `models.tool_format`)."""
+"""Where streamed content stops when Hermes tool calls are parsed (each format's `ToolFormat.call_start`)."""
 
 
 class StreamTextError(RuntimeError):
@@ -43,19 +44,22 @@ class StreamTextError(RuntimeError):
     the ids into something that is not a prefix of the whole text)."""
 
 
-def settled_content(text: str, stop: Sequence[str], parse_tools: bool) -> str:
+def settled_content(
+    text: str, stop: Sequence[str], parse_tools: bool, call_start: str = TOOL_CALL_TAG
+) -> str:
     """The part of a partial completion's text that is final content whatever tokens follow; pure."""
-    return _tool_settled(settled_text(text, stop), parse_tools)
+    return _tool_settled(settled_text(text, stop), call_start if parse_tools else None)
 
 
-def _tool_settled(text: str, parse_tools: bool) -> str:
-    """With tool parsing on: the content before a (possible) `<tool_call>`, stripped as parsed."""
-    if not parse_tools:
+def _tool_settled(text: str, call_start: str | None) -> str:
+    """With tool parsing on (`call_start`, e.g. `<tool_call>`): the content before a possible call,
+    stripped as parsed."""
+    if call_start is None:
         return text
-    tag = text.find(TOOL_CALL_TAG)
+    tag = text.find(call_start)
     if tag >= 0:
         text = text[:tag]
-    return text[: len(text) - held_prefix(text, TOOL_CALL_TAG)].strip()
+    return text[: len(text) - held_prefix(text, call_start)].strip()
 
 
 class ChoiceText:
@@ -68,6 +72,7 @@ class ChoiceText:
 
     def __init__(self, tokenizer: Any, stop: Sequence[str], parse_tools: bool) -> None:
         self.parse_tools = parse_tools
+        self.call_start = tool_format_of(tokenizer).call_start if parse_tools else None
         self.detokenizer = IncrementalDetokenizer(tokenizer, stop)
         self.sent = ""
 
@@ -75,7 +80,7 @@ class ChoiceText:
         """Add the choice's new tokens (the row has not finished); the new content to send ("" if none)."""
         if not self.detokenizer.feed(token_ids):
             return ""
-        settled = _tool_settled(self.detokenizer.settled(), self.parse_tools)
+        settled = _tool_settled(self.detokenizer.settled(), self.call_start)
         if len(settled) <= len(self.sent):
             return ""
         return self._advance(settled)

@@ -35,7 +35,8 @@ from art_core.engine.grammar import (
 )
 from art_core.engine.protocol import Completion
 from art_core.engine.sampling import SamplingParams
-from art_core.models.tool_format import parse_calls, tag_ids
+from art_core.models.chat_template import tool_format_of
+from art_core.models.tool_format import call_pieces, parse_calls
 from art_core.rollouts.records import Turn
 from art_core.server.errors import APIError
 
@@ -185,7 +186,8 @@ def request_grammar(req: ChatCompletionRequest, tokenizer: Any) -> Grammar | Non
     """The decoding constraint a request asks for: a forced tool call, a JSON schema, or none."""
     try:
         if req.tool_choice not in (None, "auto", "none"):
-            return tool_call_grammar(req.tools or [], req.tool_choice, tag_ids=tag_ids(tokenizer))
+            pieces = call_pieces(tool_format_of(tokenizer), tokenizer.get_added_vocab())
+            return tool_call_grammar(req.tools or [], req.tool_choice, pieces=pieces)
         kind = (req.response_format or {}).get("type", "text")
         if kind == "text":
             return None
@@ -319,7 +321,7 @@ def answered_choice(
     content: str | None = completion.text
     tool_calls: list[dict[str, Any]] = []
     if parse_tools:
-        content, tool_calls = parse_calls(completion.text)
+        content, tool_calls = parse_calls(completion.text, tool_format_of(tokenizer))
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         message["tool_calls"] = tool_calls

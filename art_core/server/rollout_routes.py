@@ -10,6 +10,7 @@ records and `DELETE /rollouts/{id}` returns and forgets them. An invalid id is a
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import FastAPI
@@ -46,12 +47,16 @@ async def recorded_completion(
     router: ModelRouter, recorder: RolloutRecorder, req: ChatCompletionRequest, rollout_id: str | None
 ) -> Response:
     """`chat_completion` (or its stream), recorded under `rollout_id` when one is given."""
-    seq = recorder.next_seq()
+    seq, arrived = recorder.next_seq(), time.perf_counter()
 
     def record(choices: list[ChatChoice]) -> None:
         if rollout_id is not None:
             messages = [m.model_dump(exclude_unset=True) for m in req.messages]
-            recorded = [RecordedChoice(message=dict(c.message), turn=c.turn) for c in choices]
+            seconds = round(time.perf_counter() - arrived, 6)
+            recorded = [
+                RecordedChoice(message=dict(c.message), turn=c.turn.model_copy(update={"seconds": seconds}))
+                for c in choices
+            ]
             record = CallRecord(
                 seq=seq, model=req.model, messages=messages, tools=req.tools, choices=recorded
             )

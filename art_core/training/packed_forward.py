@@ -21,8 +21,10 @@ needed.
 It runs the model's own modules (embedding, norms, projections with their LoRA layers, MLPs,
 rotary embedding), so every weight and formula is the model's, and autograd sums the gradients
 that reach the prefix from every row. Values and gradients equal transformers' forward to float
-rounding (tests/training/test_packed_forward.py). Supported: `LlamaModel` and `Qwen2Model` bodies with full
-attention in every layer and no attention dropout (`supports_packed_forward`); anything else runs
+rounding (tests/training/test_packed_forward.py). Supported: `LlamaModel`, `Qwen2Model` and `Qwen3Model` (q/k
+norms) bodies with full attention in every layer, and `Gemma3TextModel` (q/k norms, norms after
+attention and MLP, a rope base and a bias per layer type: sliding-window layers see only keys
+less than `sliding_window` positions back) and no attention dropout (`supports_packed_forward`); anything else runs
 transformers' forward.
 """
 
@@ -36,21 +38,23 @@ import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
 
-from art_core.models.llama_ops import rotate
+from art_core.models.llama_ops import layer_types, plain_layer_math, rotate
 
-SUPPORTED_DECODERS = frozenset({"LlamaModel", "Qwen2Model"})
+SUPPORTED_DECODERS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Gemma3TextModel"})
+_GEMMA3 = "Gemma3TextModel"
+"""Sliding-window layers allowed, a rope base per layer type, norms after attention and MLP."""
 
 
 def supports_packed_forward(decoder: nn.Module) -> bool:
-    """Whether `packed_hidden_states` can run `decoder` (a Llama/Qwen2 body, full attention, no
-    attention dropout)."""
-    if type(decoder).__name__ not in SUPPORTED_DECODERS:
+    """Whether `packed_hidden_states` can run `decoder`: a Llama/Qwen2/Qwen3 body with full attention,
+    a Mistral body without a sliding window (Llama's math), or a Gemma 3 text body (sliding-window and global layers, no soft-capping), no attention dropout."""
+    name = type(decoder).__name__
+    if name not in SUPPORTED_DECODERS:
         return False
     config: Any = getattr(decoder, "config", None)
     if config is None or float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
         return False
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    if any(kind != "full_attention" for kind in layer_types):
+    if not plain_layer_math(config, name.removesuffix("TextModel").removesuffix("Model").lower()):
         return False
     return all(hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "layers", "norm"))
 
@@ -70,21 +74,49 @@ def packed_hidden_states(
     ids = torch.cat([input_ids[0, :prefix], input_ids[:, prefix:].reshape(-1)])
     steps = torch.arange(length, device=device)
     position_ids = torch.cat([steps[:prefix], steps[prefix:].repeat(batch)])
-    hidden = body.embed_tokens(ids)  # [N, H]: prefix tokens, then each row's own tokens
-    cos, sin = body.rotary_emb(hidden[None], position_ids[None])
-    layout = _Layout(
-        batch=batch,
-        prefix=prefix,
-        rotary=(cos[0, :, None, :], sin[0, :, None, :]),  # [N, 1, head_dim]
-        biases=_biases(attention_mask[:, prefix:].bool(), prefix, body.layers[0].self_attn, hidden.dtype),
-    )
-    for layer in body.layers:
-        hidden = hidden + _attention(layer.self_attn, layer.input_layernorm(hidden), layout)
-        hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+    hidden = body.embed_tokens(ids)  # [N, H]: prefix tokens, then each row's own tokens (Gemma: scaled)
+    kinds = layer_types(body.config)
+    layouts = {
+        kind: _layout(body, hidden, position_ids, attention_mask, batch, prefix, kind) for kind in set(kinds)
+    }
+    for layer, kind in zip(body.layers, kinds, strict=True):
+        out = _attention(layer.self_attn, layer.input_layernorm(hidden), layouts[kind])
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: norms after attention and MLP too
+            hidden = hidden + layer.post_attention_layernorm(out)
+            hidden = hidden + layer.post_feedforward_layernorm(
+                _mlp(layer.mlp, layer.pre_feedforward_layernorm(hidden))
+            )
+        else:
+            hidden = hidden + out
+            hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
     hidden = body.norm(hidden)
     rows, cols = positions.nonzero(as_tuple=True)
     index = torch.where(cols < prefix, cols, prefix + rows * own + cols - prefix)
     return hidden[index]
+
+
+def _layout(
+    body: Any,
+    hidden: Tensor,
+    position_ids: Tensor,
+    attention_mask: Tensor,
+    batch: int,
+    prefix: int,
+    kind: str,
+) -> _Layout:
+    """The rotary embedding and attention biases of one layer type (Gemma 3: its rope base, its window)."""
+    if type(body).__name__ == _GEMMA3:
+        cos, sin = body.rotary_emb(hidden[None], position_ids[None], kind)
+    else:
+        cos, sin = body.rotary_emb(hidden[None], position_ids[None])
+    attn = body.layers[0].self_attn
+    window = int(body.config.sliding_window) if kind == "sliding_attention" else None
+    return _Layout(
+        batch=batch,
+        prefix=prefix,
+        rotary=(cos[0, :, None, :], sin[0, :, None, :]),  # [N, 1, head_dim]
+        biases=_biases(attention_mask[:, prefix:].bool(), prefix, attn, hidden.dtype, window),
+    )
 
 
 @dataclass(frozen=True)
@@ -102,9 +134,12 @@ class _Layout:
     (None without a prefix) and of the rows [B * kv_heads, group * R, P + R]."""
 
 
-def _biases(own_real: Tensor, prefix: int, attn: Any, dtype: torch.dtype) -> tuple[Tensor | None, Tensor]:
+def _biases(
+    own_real: Tensor, prefix: int, attn: Any, dtype: torch.dtype, window: int | None = None
+) -> tuple[Tensor | None, Tensor]:
     """The prefix attends causally to itself; each row to the whole prefix, then causally to its own
-    real tokens. Laid out for `grouped_attention`'s stacked queries, built once for all layers."""
+    real tokens; with a sliding `window`, only to keys less than `window` positions back. Laid out
+    for `grouped_attention`'s stacked queries, built once for all layers of a kind."""
     rows, own = own_real.shape
     device = own_real.device
     kv_heads, group = _heads(attn)
@@ -116,12 +151,19 @@ def _biases(own_real: Tensor, prefix: int, attn: Any, dtype: torch.dtype) -> tup
         stacked = values[:, None, None].expand(b, kv_heads, group, queries, keys)
         return stacked.reshape(b * kv_heads, group * queries, keys)
 
-    causal = torch.ones(own, own, dtype=torch.bool, device=device).tril()
-    shared = torch.ones(rows, own, prefix, dtype=torch.bool, device=device)
+    def near(queries: Tensor, keys: Tensor) -> Tensor:  # [Tq, Tk]: within the window (all without one)
+        gap = queries[:, None] - keys[None, :]
+        return gap < window if window else torch.ones(gap.shape, dtype=torch.bool, device=device)
+
+    own_pos = torch.arange(prefix, prefix + own, device=device)
+    prefix_pos = torch.arange(prefix, device=device)
+    causal = torch.ones(own, own, dtype=torch.bool, device=device).tril() & near(own_pos, own_pos)
+    shared = near(own_pos, prefix_pos)[None].expand(rows, own, prefix)
     row_bias = bias(torch.cat([shared, causal[None] & own_real[:, None, :]], dim=-1))
     if not prefix:
         return None, row_bias
-    return bias(torch.ones(prefix, prefix, dtype=torch.bool, device=device).tril()[None]), row_bias
+    prefix_causal = torch.ones(prefix, prefix, dtype=torch.bool, device=device).tril()
+    return bias((prefix_causal & near(prefix_pos, prefix_pos))[None]), row_bias
 
 
 def _heads(attn: Any) -> tuple[int, int]:
@@ -138,6 +180,8 @@ def _attention(attn: Any, x: Tensor, layout: _Layout) -> Tensor:
     query, key, value = (
         out.view(tokens, -1, head_dim) for out in project(x, [attn.q_proj, attn.k_proj, attn.v_proj])
     )
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head before the rotation
+        query, key = attn.q_norm(query), attn.k_norm(key)
     query, key = rotate(query, *layout.rotary), rotate(key, *layout.rotary)
     own = (tokens - prefix) // batch
     prefix_bias, row_bias = layout.biases

@@ -35,8 +35,16 @@ from peft.utils import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from art_core.models.allocator import release_free_memory
 from art_core.training.batch import BatchTotals, PreparedBatch, TrainingExample, collate, micro_batches
 from art_core.training.config import TrainConfig
+from art_core.training.distributed import (
+    World,
+    all_gather_json,
+    all_reduce_gradients,
+    assign_shares,
+    broadcast_parameters,
+)
 from art_core.training.forward import has_dropout, hidden_states_at, shared_prefix_length, training_kernels
 from art_core.training.logprobs import token_logprobs
 from art_core.training.loss import LossBatch, compute_loss
@@ -92,9 +100,21 @@ class Trainer:
         adapter_name: str = "default",
         config: TrainConfig,
         share_prefixes: bool = True,
+        world: World | None = None,
+        lockstep: bool = False,
+        seed: int = 0,
     ) -> None:
         """`share_prefixes`: run a prefix common to a micro-batch's sequences once (same update up to
-        float rounding); False computes every sequence in full."""
+        float rounding); False computes every sequence in full. `seed`: the trainer's own RNG (LoRA
+        dropout), kept apart from torch's global one (which unseeded sampling draws from), saved in
+        every checkpoint and restored by `load_state`, so a resumed run draws what an uninterrupted
+        one would.
+
+        `world`: one of several data-parallel ranks (art_core.training.distributed; the process
+        group must be joined): rank 0's LoRA weights are copied to every rank now, each
+        `train_step` trains this rank's share of the micro-batches and sums the gradients over the
+        ranks. `lockstep`: every rank runs as many forward/backward passes (a rank short of
+        micro-batches runs one more at zero weight), which FSDP-sharded base layers need."""
         if adapter_name not in model.peft_config:
             raise ValueError(f"model has no adapter {adapter_name!r}; it has {sorted(model.peft_config)}")
         self.model = model
@@ -114,13 +134,28 @@ class Trainer:
             weight_decay=config.weight_decay,
             fused=_fused_adamw(self.params),
         )
+        self._rng: dict[str, Tensor] = {"torch_cpu": torch.Generator().manual_seed(seed).get_state()}
         self._decoder, self._head = decoder_and_head(model)
         self._share_prefixes = share_prefixes and not has_dropout(model)
         """One dropout draw for a shared prefix would replace one per row, so dropout turns sharing off."""
+        self.world = world if world is not None and world.world_size > 1 else None
+        self.lockstep = lockstep
+        if self.world is not None:
+            broadcast_parameters(self.params, self.world)
 
     @property
     def device(self) -> torch.device:
         return self.params[0].device
+
+    @contextlib.contextmanager
+    def _own_rng(self) -> Iterator[None]:
+        """Run the block on the trainer's RNG state; torch's global state is left as it was."""
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        devices = list(range(torch.cuda.device_count())) if cuda else []
+        with torch.random.fork_rng(devices=devices):
+            _set_rng_state(self._rng)
+            yield
+            self._rng = _rng_state()
 
     @contextlib.contextmanager
     def _adapter_active(self) -> Iterator[None]:
@@ -193,8 +228,12 @@ class Trainer:
         with self._adapter_active():
             return self._logprobs(batch, batch["attention_mask"] > 0)[0]
 
-    def forward_backward(self, examples: list[TrainingExample], *, totals: BatchTotals) -> dict[str, float]:
-        """Forward and backward one micro-batch; gradients add up in the LoRA weights' `.grad`."""
+    def forward_backward(
+        self, examples: list[TrainingExample], *, totals: BatchTotals, weight: float = 1.0
+    ) -> dict[str, float]:
+        """Forward and backward one micro-batch; gradients add up in the LoRA weights' `.grad`.
+
+        `weight` scales the loss before backward (0: the passes run, nothing is learnt)."""
         if not examples:
             raise ValueError("forward_backward needs at least one example")
         batch = {key: value.to(self.device) for key, value in collate(examples, self.pad_id).items()}
@@ -215,7 +254,7 @@ class Trainer:
                 ref_logprobs=ref,
             )
             output = compute_loss(loss_batch, self.config.loss)
-            output.loss.backward()
+            (output.loss * weight if weight != 1.0 else output.loss).backward()
         metrics = {key: float(value) for key, value in output.metrics.items()}
         metrics.update(loss=float(output.loss.detach()), sequences=float(len(examples)))
         metrics["shared_prefix_tokens"] = float(prefix)
@@ -257,19 +296,42 @@ class Trainer:
         if not batch.examples:
             return {"trained": 0.0}
         totals = batch.totals
+        chunks = self._micro_batches(batch.examples)
         try:
-            parts = [
-                self.forward_backward(chunk, totals=totals) for chunk in self._micro_batches(batch.examples)
-            ]
+            with self._own_rng():
+                parts = self._forward_backward_share(chunks, totals)
         except BaseException:
             self.optimizer.zero_grad(
                 set_to_none=True
             )  # no half-accumulated gradient leaks into the next step
             raise
+        if self.world is not None:
+            all_reduce_gradients(self.params, self.world)
+            parts = [part for rank_parts in all_gather_json(parts, self.world) for part in rank_parts]
         metrics = {**combine_metrics(parts), "micro_batches": float(len(parts))}
         metrics.update(self.optim_step(self.config.learning_rate))
         metrics["trained"] = 1.0 - metrics["optim_step_skipped"]
+        # The step's activations are freed but glibc keeps most of them; give them back before
+        # rollouts resume (a few ms; docs/benchmarks.md, "Where `art demo`'s memory goes").
+        release_free_memory()
         return metrics
+
+    def _forward_backward_share(
+        self, chunks: list[list[TrainingExample]], totals: BatchTotals
+    ) -> list[dict[str, float]]:
+        """forward_backward on this rank's share of `chunks` (all of them in one process); with
+        `lockstep`, padded with zero-weight passes to the largest share's length."""
+        if self.world is None:
+            return [self.forward_backward(chunk, totals=totals) for chunk in chunks]
+        shares = assign_shares(
+            [sum(len(e.sequence) for e in chunk) for chunk in chunks], self.world.world_size
+        )
+        mine = [chunks[i] for i in shares[self.world.rank]]
+        parts = [self.forward_backward(chunk, totals=totals) for chunk in mine]
+        if self.lockstep:
+            for _ in range(max(len(share) for share in shares) - len(mine)):
+                self.forward_backward(chunks[0], totals=totals, weight=0.0)
+        return parts
 
     def _micro_batches(self, examples: list[TrainingExample]) -> list[list[TrainingExample]]:
         """`micro_batches` within each group (whose sequences share their prompt), when prefixes can be shared."""
@@ -296,7 +358,7 @@ class Trainer:
             for key, value in entry.items()
         }
         save_file(tensors, str(directory / OPTIMIZER_FILE))
-        save_file(_rng_state(), str(directory / RNG_FILE))
+        save_file(self._rng, str(directory / RNG_FILE))
         state = {
             "format": STATE_FORMAT,
             "adapter_name": self.adapter_name,
@@ -318,7 +380,7 @@ class Trainer:
             )
         _load_adapter(self.model, self.adapter_name, directory / ADAPTER_WEIGHTS)
         self.optimizer.load_state_dict(_optimizer_state(load_file(str(directory / OPTIMIZER_FILE)), state))
-        _set_rng_state(load_file(str(directory / RNG_FILE)))
+        self._rng = load_file(str(directory / RNG_FILE))
 
 
 def combine_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:

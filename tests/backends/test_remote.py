@@ -286,7 +286,9 @@ def test_train_request_keeps_non_finite_rewards_visible() -> None:
 class FailingService(ModelService):
     """The real service with a step that reports progress, stays silent a while, then fails."""
 
-    async def train(self, name: str, groups: Any, config: TrainConfig, on_progress: Any = None) -> Any:
+    async def train(
+        self, name: str, groups: Any, config: TrainConfig, on_progress: Any = None, request_key: Any = None
+    ) -> Any:
         self.get(name)
 
         def step() -> None:

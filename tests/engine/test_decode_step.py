@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from art_core.engine.torch.decode_step import decode_step, supports_decode_step
+from art_core.engine.torch.decode_step import decode_step, fuse_projections, supports_decode_step
 from art_core.engine.torch.kv_cache import growing_cache
 from art_core.models.loading import LoadedModel
 from art_core.training.config import LoRAConfig
 from art_core.training.lora import attach_lora
-from tests.helpers_models import tiny_llama
+from tests.helpers_models import tiny_gemma3, tiny_llama, tiny_mistral, tiny_qwen3
 from tests.tolerances import assert_close_to_model
 
 pytestmark = pytest.mark.isa  # float results depend on the CPU's kernels (see .ci/run)
@@ -58,6 +58,32 @@ def test_llama_decode_step_equals_the_transformers_forward_in_bf16() -> None:
     assert supports_decode_step(model)
     _check_steps(model, torch.float32)
     _check_steps(model.to(torch.bfloat16), torch.bfloat16)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_qwen3_decode_step_with_its_qk_norms_equals_the_transformers_forward(fused: bool) -> None:
+    model = tiny_qwen3().eval()
+    assert supports_decode_step(model)
+    if fused:
+        fuse_projections(model)
+    _check_steps(model, torch.float32)
+
+
+def test_mistral_decode_step_equals_the_transformers_forward_and_a_windowed_one_is_refused() -> None:
+    model = tiny_mistral().eval()
+    assert supports_decode_step(model)
+    fuse_projections(model)
+    _check_steps(model, torch.float32)
+    assert not supports_decode_step(tiny_mistral(window=4))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_gemma3_decode_step_with_sliding_windows_equals_the_transformers_forward(fused: bool) -> None:
+    model = tiny_gemma3(layers=4, window=4).eval()  # prompts of up to 9 tokens: the window truncates
+    assert supports_decode_step(model)
+    if fused:
+        fuse_projections(model)
+    _check_steps(model, torch.float32)
 
 
 def test_peft_wrapped_and_sliding_window_models_are_not_supported(tiny_model: LoadedModel) -> None:

@@ -34,7 +34,8 @@ from art_core.engine.torch.engine import TorchEngine
 from art_core.engine.vllm.config import VLLMNotInstalledError
 from art_core.engine.vllm.engine import VLLMEngine, VLLMEngineConfig
 from art_core.engine.vllm.router import VLLMAdapterRouter
-from art_core.host.service import ModelService, ServingConfig
+from art_core.host.service import ModelService
+from art_core.host.serving import ServingConfig, VLLMServing
 from art_core.models.loading import LoadedModel, load_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
@@ -443,8 +444,9 @@ def test_serving_config_and_the_cli_vllm_options_fail_loudly() -> None:
         ServingConfig(vllm=VLLMEngineConfig())
     with pytest.raises(ValueError, match="'torch' or 'vllm'"):
         ServingConfig(engine="sglang")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="configures TorchEngine"):
-        ModelService(".art-unused", EngineConfig(max_batch_size=4), serving=ServingConfig(engine="vllm"))
+    # TorchEngine's options with vLLM serving: no config holds both (tests/host/test_serving.py has the rest).
+    with pytest.raises(TypeError, match="configures TorchEngine"):
+        VLLMServing(vllm=EngineConfig(max_batch_size=4))  # type: ignore[arg-type]
 
 
 def test_vllm_engine_where_vllm_is_missing_says_how_to_install(tmp_path: Path) -> None:

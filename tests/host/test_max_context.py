@@ -8,11 +8,14 @@ from pathlib import Path
 from art_core.engine.config import EngineConfig
 from art_core.host.records import ModelSpec
 from art_core.host.service import ModelService
+from art_core.host.serving import TorchServing
 
 
 def test_the_served_limit_is_the_engines_whatever_the_cap(tmp_path: Path) -> None:
     for cap, expected in ((64, 64), (None, 2048), (10**6, 2048)):  # the tiny model handles 2048
-        service = ModelService(tmp_path / str(cap), EngineConfig(max_context=cap, batch_wait_s=0))
+        service = ModelService(
+            tmp_path / str(cap), TorchServing(EngineConfig(max_context=cap, batch_wait_s=0))
+        )
         try:
             hosted = service.register(ModelSpec(project="ctx", name="agent", base_model="tiny-random"))
             assert hosted.loaded.max_context == 2048

@@ -275,9 +275,36 @@ def test_ensure_tool_template_replaces_smollm2_template(smollm2_tokenizer: PreTr
     assert smollm2_tokenizer.chat_template == hermes_tool_template(SMOLLM2_SYSTEM)  # what loading did
 
 
-def test_ensure_tool_template_installs_when_there_is_none(tiny_model: LoadedModel) -> None:
+def test_a_tokenizer_without_a_chat_template_is_refused(tiny_model: LoadedModel) -> None:
+    from art_core.models.chat_template import UnsupportedModelError
+
     tok = copy.deepcopy(tiny_model.tokenizer)
     tok.chat_template = None
+    with pytest.raises(UnsupportedModelError, match="no chat template"):
+        ensure_tool_template(tok)
+
+
+def test_a_template_with_tools_in_an_unknown_format_is_refused(tiny_model: LoadedModel) -> None:
+    from art_core.models.chat_template import UnsupportedModelError
+
+    tok = copy.deepcopy(tiny_model.tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %}"
+        "CALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}\n{% endfor %}"
+        "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}"
+    )
+    with pytest.raises(UnsupportedModelError, match="cannot parse"):
+        ensure_tool_template(tok)
+
+
+def test_ensure_tool_template_installs_ours_on_a_chatml_template_without_tools(
+    tiny_model: LoadedModel,
+) -> None:
+    tok = copy.deepcopy(tiny_model.tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
     ensure_tool_template(tok)
     assert tok.chat_template == HERMES_TOOL_TEMPLATE
 

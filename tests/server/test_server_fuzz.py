@@ -27,6 +27,7 @@ from art_core.engine.config import EngineConfig
 from art_core.host.records import ModelSpec
 from art_core.host.routes import create_server_app
 from art_core.host.service import ModelService
+from art_core.host.serving import TorchServing
 from art_core.server.app import ServerHandle, create_app, serve_in_thread
 from art_core.server.rollout_routes import records_response
 
@@ -42,7 +43,9 @@ FUZZ = settings(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    service = ModelService(tmp_path_factory.mktemp("art"), EngineConfig(max_context=64, batch_wait_s=0))
+    service = ModelService(
+        tmp_path_factory.mktemp("art"), TorchServing(EngineConfig(max_context=64, batch_wait_s=0))
+    )
     service.register(ModelSpec(project="fuzz", name=MODEL, base_model="tiny-random"))
     handle = serve_in_thread(create_server_app(service, api_key=API_KEY))
     yield handle

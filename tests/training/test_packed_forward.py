@@ -18,7 +18,7 @@ from art_core.training.packed_forward import (
     project,
     supports_packed_forward,
 )
-from tests.helpers_models import tiny_llama
+from tests.helpers_models import tiny_gemma3, tiny_llama, tiny_mistral, tiny_qwen3
 from tests.tolerances import assert_close, assert_close_to_model
 
 pytestmark = pytest.mark.isa  # float results depend on the CPU's kernels (see .ci/run)
@@ -63,9 +63,16 @@ def hidden_and_grads(model: torch.nn.Module, packed: bool, prefix: int) -> tuple
 
 
 @pytest.mark.parametrize("prefix", [0, 5])
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "mistral", "qwen3", "gemma3"])
 def test_packed_forward_equals_transformers(tiny_model: LoadedModel, family: str, prefix: int) -> None:
-    model = with_lora(tiny_model.model if family == "qwen2" else tiny_llama())
+    base = {
+        "qwen2": lambda: tiny_model.model,
+        "llama": tiny_llama,
+        "mistral": tiny_mistral,
+        "qwen3": tiny_qwen3,
+        "gemma3": lambda: tiny_gemma3(layers=4, window=4),  # 11-token rows: the window truncates
+    }[family]()
+    model = with_lora(base)
     assert supports_packed_forward(model.get_base_model().get_decoder())
     ours, our_grads = hidden_and_grads(model, True, prefix)
     theirs, their_grads = hidden_and_grads(model, False, prefix)

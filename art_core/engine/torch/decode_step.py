@@ -12,8 +12,10 @@ the attention itself:
   [B, kv_heads, group, head_dim], i.e. the `group` query heads that share a kv head act as the
   "query length" of one SDPA call (there is no causal mask to apply for a single new token).
 
-Supported: `LlamaForCausalLM` and `Qwen2ForCausalLM` with full attention in every layer and no
-peft wrapping (the engine's merged serving copy). `supports_decode_step` says whether a model
+Supported: `LlamaForCausalLM`, `Qwen2ForCausalLM` and `Qwen3ForCausalLM` (its q/k norms: an
+RMSNorm over each head of the queries and keys before the rotation) with full attention in every
+layer, and `Gemma3ForCausalLM` (q/k norms, norms after attention and MLP, a rope base per layer
+type, sliding-window layers: the last `sliding_window` positions), all with no peft wrapping (the engine's merged serving copy). `supports_decode_step` says whether a model
 qualifies; anything else runs transformers' forward. The logits equal transformers' to float
 rounding (tests/engine/test_decode_step.py).
 """
@@ -28,18 +30,23 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from art_core.models.hardware import onednn_packs_bf16
-from art_core.models.llama_ops import rotate
+from art_core.models.llama_ops import layer_types, plain_layer_math, rotate
 
-SUPPORTED_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
+SUPPORTED_MODELS = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"}
+)
+_PER_LAYER_TYPE_ROTARY = frozenset({"Gemma3ForCausalLM"})
+"""Models whose rotary embedding takes the layer type (a rope base per attention kind)."""
 
 
 def supports_decode_step(model: Any) -> bool:
-    """Whether `decode_step` can run `model` (a plain Llama/Qwen2 causal LM with full attention)."""
-    if type(model).__name__ not in SUPPORTED_MODELS:
+    """Whether `decode_step` can run `model`: a plain Llama/Qwen2/Qwen3 causal LM with full attention,
+    a Mistral without a sliding window (then Llama's math), or a Gemma 3 text model (sliding-window
+    and global layers) without logit soft-capping."""
+    name = type(model).__name__
+    if name not in SUPPORTED_MODELS:
         return False
-    config = model.config
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    if any(kind != "full_attention" for kind in layer_types):
+    if not plain_layer_math(model.config, name.removesuffix("ForCausalLM").lower()):
         return False
     body = getattr(model, "model", None)
     return body is not None and hasattr(body, "rotary_emb") and hasattr(body, "layers")
@@ -88,44 +95,77 @@ def decode_step(
     """
     body = model.model
     config = model.config
-    rows = input_ids.shape[0]
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     packs: dict[int, _Packed] | None = getattr(model, PACKED_WEIGHTS, None)
-    hidden = body.embed_tokens(input_ids)  # [B, 1, H]
-    cos, sin = body.rotary_emb(hidden, positions)  # [B, 1, head_dim]: broadcast over heads
+    hidden = body.embed_tokens(input_ids)  # [B, 1, H] (Gemma 3's module scales by sqrt(H) itself)
+    kinds = layer_types(config)
+    if type(model).__name__ in _PER_LAYER_TYPE_ROTARY:  # Gemma 3: local and global rope bases
+        rotary = {kind: body.rotary_emb(hidden, positions, kind) for kind in set(kinds)}
+    else:
+        rotary = dict.fromkeys(set(kinds), body.rotary_emb(hidden, positions))  # [B, 1, head_dim] each
     keep = mask.bool()[:, None, None, :]
-    head_dim = body.layers[0].self_attn.head_dim
-    group = heads // kv_heads
     for index, layer in enumerate(body.layers):
         attn = layer.self_attn
-        x = _norm(layer.input_layernorm, hidden)
-        fused = getattr(attn, "art_qkv", None)
-        if fused is not None:
-            qkv = _linear(x, fused[0], fused[1], packs).view(rows, heads + 2 * kv_heads, head_dim)
-            # Queries and keys are rotated together: one set of elementwise ops instead of two.
-            rotated = rotate(qkv[:, : heads + kv_heads], cos, sin)
-            query = rotated[:, :heads].reshape(rows, kv_heads, group, head_dim)
-            key = rotated[:, heads:].reshape(rows, kv_heads, 1, head_dim)
-            value = qkv[:, heads + kv_heads :].reshape(rows, kv_heads, 1, head_dim)
-        else:
-            query = rotate(attn.q_proj(x).view(rows, heads, head_dim), cos, sin)
-            key = rotate(attn.k_proj(x).view(rows, kv_heads, head_dim), cos, sin)
-            query = query.view(rows, kv_heads, group, head_dim)
-            key = key.view(rows, kv_heads, 1, head_dim)
-            value = attn.v_proj(x).view(rows, kv_heads, 1, head_dim)
+        cos, sin = rotary[kinds[index]]
+        query, key, value = _qkv(attn, _norm(layer.input_layernorm, hidden), cos, sin, packs)
         layer_cache: Any = cache.layers[index]
         keys, values = layer_cache.update(key, value)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=keep, scale=attn.scaling)
-        hidden = hidden + _apply(attn.o_proj, out.reshape(rows, 1, heads * head_dim), packs)
-        hidden = hidden + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden), packs)
+        attend = keep[..., -keys.shape[-2] :]  # a sliding-window cache layer returns its last positions only
+        window = getattr(attn, "sliding_window", None) if kinds[index] == "sliding_attention" else None
+        if window:  # rows are contiguous in the padded layout: the window is the last `window` columns
+            keys, values, attend = keys[..., -window:, :], values[..., -window:, :], attend[..., -window:]
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=attend, scale=attn.scaling)
+        out = _apply(attn.o_proj, out.reshape(input_ids.shape[0], 1, -1), packs)
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: norms after attention and MLP too
+            hidden = hidden + _norm(layer.post_attention_layernorm, out)
+            mlp = _mlp(layer.mlp, _norm(layer.pre_feedforward_layernorm, hidden), packs)
+            hidden = hidden + _norm(layer.post_feedforward_layernorm, mlp)
+        else:
+            hidden = hidden + out
+            hidden = hidden + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden), packs)
     hidden = _norm(body.norm, hidden)
     return _apply(model.lm_head, hidden[:, -1], packs).float()
 
 
+def _qkv(
+    attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packs: dict[int, _Packed] | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotated queries [B, kv_heads, group, D], rotated keys and values [B, kv_heads, 1, D] of one
+    token per row `x` [B, 1, H]; with q/k norms (Qwen3, Gemma 3) over each head before the rotation."""
+    config = attn.config
+    rows, heads, kv_heads, head_dim = (
+        x.shape[0],
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        attn.head_dim,
+    )
+    group = heads // kv_heads
+    fused = getattr(attn, "art_qkv", None)
+    if fused is not None:
+        qkv = _linear(x, fused[0], fused[1], packs).view(rows, heads + 2 * kv_heads, head_dim)
+    else:
+        qkv = torch.cat(
+            [
+                attn.q_proj(x).view(rows, heads, head_dim),
+                attn.k_proj(x).view(rows, kv_heads, head_dim),
+                attn.v_proj(x).view(rows, kv_heads, head_dim),
+            ],
+            dim=1,
+        )
+    value = qkv[:, heads + kv_heads :].reshape(rows, kv_heads, 1, head_dim)
+    q_norm = getattr(attn, "q_norm", None)
+    if q_norm is None:  # queries and keys rotated together: one set of elementwise ops instead of two
+        rotated = rotate(qkv[:, : heads + kv_heads], cos, sin)
+        query, key = rotated[:, :heads], rotated[:, heads:]
+    else:
+        query = rotate(_norm(q_norm, qkv[:, :heads]), cos, sin)
+        key = rotate(_norm(attn.k_norm, qkv[:, heads : heads + kv_heads]), cos, sin)
+    return query.reshape(rows, kv_heads, group, head_dim), key.reshape(rows, kv_heads, 1, head_dim), value
+
+
 def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
-    """Llama's/Qwen2's RMSNorm as torch's one `rms_norm` op (the module runs ~8 elementwise ops;
-    the values are the same: both normalise in float32)."""
-    if type(norm).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm"):
+    """Llama's/Qwen2's/Qwen3's RMSNorm as torch's one `rms_norm` op (the module runs ~8 elementwise
+    ops; the values are the same: both normalise in float32)."""
+    if type(norm).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"):
         return norm(x)  # type: ignore[no-any-return]
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 

@@ -16,6 +16,7 @@ docs/architecture.md ("The torch engine").
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ from art_core.engine.torch.kv_cache import (
 from art_core.engine.torch.prefix_cache import PrefixCache, PrefixHit
 from art_core.engine.torch.scheduler import MIN_SHARED_PROMPT as MIN_SHARED_PROMPT
 from art_core.engine.torch.scheduler import shared_prompt_length as shared_prompt_length
+from art_core.engine.torch.threads import ThreadTuner, apply
 
 BASE_ADAPTER = "__base__"
 """peft's name for "no adapter" in a mixed-adapter batch."""
@@ -287,6 +289,7 @@ class DecodeBatch:
         admit: Callable[[int], list[RowState]] | None = None,
         finished: Callable[[list[RowState]], None] | None = None,
         max_rows: int | None = None,
+        threads: ThreadTuner | None = None,
     ) -> None:
         """Decode until every row has finished and no more rows join.
 
@@ -294,7 +297,8 @@ class DecodeBatch:
         the unfinished rows), which are prefilled on their own and join the running batch: the
         shorter of the two caches is left-padded (continuous batching). `finished(rows)` is
         called with the rows that finished at each step, so their requests need not wait for
-        the whole batch.
+        the whole batch. `threads` times each decode step and sets the thread count of the next
+        (`art_core.engine.torch.threads`); None leaves torch's as it is.
         """
         logits = self.prefill()
         last = self.positions[:, -1]
@@ -320,7 +324,10 @@ class DecodeBatch:
                 next_ids, last = self._join(joiners, next_ids, last, finished)
             self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
             last = last + 1
+            started = time.perf_counter()
             logits = self.forward(next_ids[:, None], last[:, None])
+            if threads is not None:
+                apply(threads.record(len(self.rows), time.perf_counter() - started))
 
     def _join(
         self,

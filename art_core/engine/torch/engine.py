@@ -40,6 +40,7 @@ from art_core.engine.errors import (
 )
 from art_core.engine.finish_reason import FinishReason
 from art_core.engine.grammar import RowConstraint
+from art_core.engine.openmp import wait_policy
 from art_core.engine.protocol import Completion
 from art_core.engine.sampling import row_seed
 from art_core.engine.torch.adapters import Adapters, modes_kept
@@ -48,6 +49,7 @@ from art_core.engine.torch.prefix_cache import PrefixCache
 from art_core.engine.torch.scheduler import Gate, Lane, LanePlan, Scheduler, Serving
 from art_core.engine.torch.serving_weights import UnsupportedAdapterError, peft_model_of, serving_copy
 from art_core.engine.torch.streaming import DeltaChannel, TokenStream
+from art_core.engine.torch.threads import ThreadTuner, apply
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -137,6 +139,12 @@ class TorchEngine:
         mib = config.prefix_cache_mib
         self._prefix = PrefixCache(mib * 2**20) if mib and self._serving is not None else None
         self._resync = False  # a full re-merge of the serving copy is due (set by resume, weights_updated)
+        self._threads = ThreadTuner.for_machine() if config.adapt_threads else None
+        if torch.get_num_threads() > 1 and wait_policy() == "DEFAULT":
+            logger.info(
+                "OpenMP threads spin at barriers (OMP_WAIT_POLICY unset): on shared cores set "
+                "OMP_WAIT_POLICY=PASSIVE before starting Python (the `art` CLI does); see docs/benchmarks.md"
+            )
         self._thread = threading.Thread(target=self._work, name="art-engine", daemon=True)
         self._thread.start()
 
@@ -372,6 +380,8 @@ class TorchEngine:
         return Gate(self._paused, self._closed, bool(self._ops), self._resync)
 
     def _work(self) -> None:
+        if self._threads is not None:  # the thread count is per thread in OpenMP: set it here
+            apply(self._threads.current)
         try:
             while True:
                 with self._cond:
@@ -498,6 +508,7 @@ class TorchEngine:
                 admit=admit,
                 finished=finished,
                 max_rows=self.config.max_batch_size,
+                threads=self._threads,
             )
         except Exception as exc:  # every request of the lane gets the error; the worker carries on
             logger.exception("engine batch of %d rows failed", len(lane.unfinished))

@@ -134,6 +134,9 @@ class MergedWeights:
         self._entries: dict[str, _Entry] = {}
         self.merges = 0
         """How many times `sync` wrote at least one tensor."""
+        self.shared_bytes = 0
+        """Bytes of tensors the copy shares with the source model instead of copying (no LoRA on
+        them and already in `dtype`: embeddings, norms, a head without an adapter)."""
         self.sync(model)
 
     def sync(self, model: nn.Module, force: bool = False) -> int:
@@ -145,7 +148,7 @@ class MergedWeights:
         started = time.perf_counter()
         structure = _structure_key(model)
         if structure != self._structure:
-            self._entries = self._map(model)
+            self._entries = self._share(self._map(model))
             self._structure = structure
         written = 0
         with torch.no_grad():
@@ -171,6 +174,36 @@ class MergedWeights:
         if _structure_key(model) != self._structure:
             return True
         return any(_stamp(entry, self.adapter) != entry.stamp for entry in self._entries.values())
+
+    def _share(self, entries: dict[str, _Entry]) -> dict[str, _Entry]:
+        """Point the copy at the source's own tensor wherever the value would be a plain copy (no
+        LoRA delta, same dtype, shape and device); returns the entries still to be written by `sync`.
+
+        Such tensors (SmolLM2: the tied embeddings and head, 113 MB in float32, and the norms) then
+        exist once; a later in-place write to the source is seen at once. Tied tensors of the copy
+        are swapped together.
+        """
+        swap: dict[int, torch.Tensor] = {}
+        kept: dict[str, _Entry] = {}
+        for key, entry in entries.items():
+            dest, source = entry.dest, entry.source
+            plain = entry.lora is None and dest.dtype == source.dtype and dest.device == source.device
+            if plain and _whole(dest) and source.is_contiguous() and dest is not source:
+                swap[id(dest)] = source
+            elif dest is not source:
+                kept[key] = entry
+        for module in self.model.modules():
+            for store in (module._parameters, module._buffers):
+                for name, tensor in store.items():
+                    if tensor is not None and id(tensor) in swap:
+                        source = swap[id(tensor)]
+                        if isinstance(tensor, nn.Parameter) and not isinstance(source, nn.Parameter):
+                            source = nn.Parameter(source, requires_grad=False)
+                        store[name] = source  # type: ignore[assignment]  # a buffer store holds plain tensors
+        self.shared_bytes += sum(
+            t.untyped_storage().nbytes() for t in {id(t): t for t in swap.values()}.values()
+        )
+        return kept
 
     def _map(self, model: nn.Module) -> dict[str, _Entry]:
         """Pair every tensor of the serving model with its source (and LoRA layer) in `model`."""
@@ -212,6 +245,15 @@ class MergedWeights:
                     entry.stamp = previous.stamp
                 entries[key] = entry
         return entries
+
+
+def _whole(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is all of its storage (not a view into a shared buffer, such as the fused
+    q/k/v bias that `fuse_projections` made: that buffer must keep being written)."""
+    return (
+        tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )
 
 
 def _skeleton(base: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -68,6 +68,11 @@ class VLLMEngineConfig:
     """Engine seed (requests without a seed draw from it)."""
     stop_on_eos: bool = True
     """Also end completions on the tokenizer's eos id (our chat end-of-turn), besides vLLM's own eos ids."""
+    tensor_parallel_size: int = 1
+    """GPUs one vLLM replica splits each layer over (vLLM's `tensor_parallel_size`); 1 on CPU."""
+    data_parallel_size: int = 1
+    """Replicas vLLM runs itself, each on `tensor_parallel_size` GPUs (vLLM's `data_parallel_size`;
+    it balances requests between them)."""
     engine_args: Mapping[str, Any] = field(default_factory=dict)
     """Extra `vllm.AsyncEngineArgs` fields, passed through as they are (they win over the above)."""
 
@@ -86,6 +91,11 @@ class VLLMEngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0 GiB, got {self.kv_cache_gib}")
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError(
+                "tensor_parallel_size and data_parallel_size must be >= 1, got "
+                f"{self.tensor_parallel_size}, {self.data_parallel_size}"
+            )
 
     def async_engine_args(self, model_path: str) -> dict[str, Any]:
         """The `vllm.AsyncEngineArgs` keyword arguments for `model_path`."""
@@ -104,6 +114,10 @@ class VLLMEngineConfig:
             args.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=self.max_loras)
             if self.max_cpu_loras is not None:
                 args["max_cpu_loras"] = self.max_cpu_loras
+        if self.tensor_parallel_size > 1:
+            args["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.data_parallel_size > 1:
+            args["data_parallel_size"] = self.data_parallel_size
         if self.kv_cache_gib is not None:
             args["kv_cache_memory_bytes"] = int(self.kv_cache_gib * 2**30)
         args.update(self.engine_args)
