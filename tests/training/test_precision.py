@@ -131,8 +131,14 @@ def test_bf16_packing_agrees_with_the_cpus_own_flags() -> None:
     flags = _cpu_flags()
     if flags is None:
         pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
-    # torch packs bf16 weights with AVX512BW+VL+DQ or with AVX-NE-CONVERT (mkldnn_bf16_device_check)
-    can = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+    # torch packs bf16 weights with AVX512BW+VL+DQ or with AVX-NE-CONVERT (mkldnn_bf16_device_check),
+    # each only where oneDNN's ISA cap, if set, reaches the ISA that has them: AVX512_CORE, AVX2_VNNI_2
+    cap = hardware.onednn_isa_cap()
+    below_avx512 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"}
+    below_ne_convert = {"SSE41", "AVX", "AVX2", "AVX2_VNNI"}
+    can = ({"avx512bw", "avx512vl", "avx512dq"} <= flags and cap not in below_avx512) or (
+        "avx_ne_convert" in flags and cap not in below_ne_convert
+    )
     assert onednn_packs_bf16() is can
 
 
