@@ -80,7 +80,7 @@ def worker_ours(args: argparse.Namespace) -> None:
             "lora_b_tensors": changed,
             "serve_dtype": str(serving.dtype).removeprefix("torch.") if serving is not None else "peft",
             "trainer_dtype": str(next(hosted.trainer.model.parameters()).dtype).removeprefix("torch."),
-            "torch_threads": f"{torch.get_num_threads()} (adaptive, OMP wait {wait_policy().lower()})",
+            "torch_threads": f"{torch.get_num_threads()} (OMP wait {wait_policy().lower()})",
             "torch": torch.__version__,
             "setup_s": round(time.perf_counter() - started, 1),
         },
