@@ -311,6 +311,10 @@ class ReplicatedEngine:
         """`call(engine)` on every live replica, in order; replicas that turn out dead are marked down."""
         results = []
         for index in self.live():
+            engine = self._replicas[index].engine
+            if getattr(engine, "closed", False) and not self._closed:
+                self.mark_down(index, "its engine is closed")
+                continue
             try:
                 results.append(call(self._replicas[index].engine))
             except Exception as exc:
