@@ -11,7 +11,9 @@ of any kind (TorchEngines, VLLMEngines), so the server and `ModelService` use it
   went last (an agent's next turn extends its previous prompt), unless that replica is more than
   `balance_slack_rows` rows busier than the least-loaded one.
 - **New rollouts by load.** A key seen for the first time (or whose replica died) goes to the live
-  replica with the fewest in-flight rows (a request counts its `n`); ties go round the replicas.
+  replica with the fewest in-flight rows (a request counts its `n`); ties go round the replicas. A
+  replica that refuses a request as full (`EngineOverloadedError`) has it tried on the others (the
+  key then stays with the one that took it); only when all refuse does the caller get the error.
 - **Publishing.** `add_adapter`/`remove_adapter`/`pause`/`resume` go to every live replica and
   return once all have done it, so an adapter name is served nowhere before it is loaded
   everywhere. `ModelService` publishes a step between `pause()` and `resume()`: no replica runs a
@@ -40,7 +42,7 @@ from typing import Any
 
 from art_core.engine.config import EngineStats, GenerationRequest
 from art_core.engine.deltas import DeltaStream, RowDelta, token_stream
-from art_core.engine.errors import EngineClosedError
+from art_core.engine.errors import EngineClosedError, EngineOverloadedError
 from art_core.engine.protocol import Completion, Engine
 
 logger = logging.getLogger(__name__)
@@ -255,17 +257,24 @@ class ReplicatedEngine:
 
     # -- requests --------------------------------------------------------------------------
 
+    def _full(self, exc: Exception, tried: set[int]) -> bool:
+        """Whether `exc` is a full replica's refusal and another live replica is still untried."""
+        return isinstance(exc, EngineOverloadedError) and any(i not in tried for i in self.live())
+
     async def generate(self, request: GenerationRequest) -> list[Completion]:
-        """The completions from the request's replica; retried elsewhere if that replica dies first."""
+        """The completions from the request's replica; retried elsewhere if that replica dies first
+        or is full (`EngineOverloadedError` once every live replica refused it)."""
         tried: set[int] = set()
         while True:
             index = self._dispatch(request, tried)
             try:
                 return await self._replicas[index].engine.generate(request)
             except Exception as exc:
+                tried.add(index)
+                if self._full(exc, tried):
+                    continue
                 if not self._died(index, exc):
                     raise
-                tried.add(index)
                 logger.warning("retrying a request of dead replica %d on another replica", index)
             finally:
                 self._done(index, request)
@@ -293,6 +302,9 @@ class ReplicatedEngine:
                     await stream.aclose()
                 return
             except Exception as exc:
+                tried.add(index)
+                if not sent and self._full(exc, tried):
+                    continue
                 if not self._died(index, exc):
                     raise
                 if sent:
@@ -300,7 +312,6 @@ class ReplicatedEngine:
                         f"inference replica {index} died while streaming this completion ({exc}); "
                         "the tokens sent so far are all there is: send the request again"
                     ) from exc
-                tried.add(index)
                 logger.warning("retrying a stream of dead replica %d on another replica", index)
             finally:
                 self._done(index, request)

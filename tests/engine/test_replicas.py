@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from art_core.backends import LocalBackend
-from art_core.engine.config import GenerationRequest
+from art_core.engine.config import EngineConfig, GenerationRequest
 from art_core.engine.deltas import token_stream
-from art_core.engine.errors import EngineClosedError
+from art_core.engine.errors import EngineClosedError, EngineOverloadedError
 from art_core.engine.replicas import (
     NoLiveReplicaError,
     ReplicatedEngine,
@@ -138,6 +138,40 @@ async def test_an_adapter_is_on_every_replica_before_it_can_be_named(
     pair.add_adapter("step2", folder)
     pair.remove_adapter("step1")
     assert all(e.adapters() == ["step2"] for e in pair.replicas)
+
+
+async def test_a_full_replica_passes_the_request_on_until_all_are_full() -> None:
+    loaded = [load_model("tiny-random") for _ in range(2)]
+    engines = [TorchEngine(m.model, m.tokenizer, EngineConfig(max_queued_rows=1)) for m in loaded]
+    pair = ReplicatedEngine(engines)
+    try:
+        pair.pause()
+        first = asyncio.ensure_future(pair.generate(request([5, 6, 7], "a")))
+        await until(lambda: sum(s.in_flight_rows for s in pair.status()) == 1)
+        home = [s.in_flight_rows for s in pair.status()].index(1)
+        second = asyncio.ensure_future(pair.generate(request([5, 6, 7, 8], "a")))  # its home is full
+        await until(lambda: [s.in_flight_rows for s in pair.status()] == [1, 1])
+        with pytest.raises(EngineOverloadedError):  # both full: the caller hears it (HTTP 429)
+            await pair.generate(request([9, 9], "b"))
+        assert [s.in_flight_rows for s in pair.status()] == [1, 1] and pair.live() == [0, 1]
+        pair.resume()
+        await asyncio.gather(first, second)
+        # Sends: the first; the second at its full home, then the other; the third at both.
+        assert sum(s.requests for s in pair.status()) == 5 and pair.status()[home].requests >= 2
+    finally:
+        pair.close()
+
+
+def test_the_affinity_key_is_the_rollout_id_else_the_user_field() -> None:
+    from art_core.server.chat_completion import affinity_key
+    from art_core.server.openai_format import ChatCompletionRequest
+
+    messages = [{"role": "user", "content": "x"}]
+    plain = ChatCompletionRequest(model="m", messages=messages)
+    with_user = ChatCompletionRequest(model="m", messages=messages, user="u1")
+    assert affinity_key(plain, None) is None
+    assert affinity_key(with_user, None) == "user:u1"
+    assert affinity_key(with_user, "r1") == affinity_key(plain, "r1") == "rollout:r1"
 
 
 async def test_a_dead_replicas_queued_request_is_retried_on_the_other(pair: ReplicatedEngine) -> None:
