@@ -41,19 +41,22 @@ def worker_ours(args: argparse.Namespace) -> None:
 
     from art_core.backends.local import LocalBackend
     from art_core.engine.config import EngineConfig
+    from art_core.engine.replicas import ReplicatedEngine
+    from art_core.host.serving import TorchServing
     from art_core.model import TrainableModel
     from art_core.models.loading import resolve_model_path
 
     torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
-    backend = LocalBackend(work / "art", engine_config=EngineConfig(serve_dtype=dtype_of(args.dtype)))
+    config = EngineConfig(serve_dtype=dtype_of(args.dtype))
+    backend = LocalBackend(work / "art", serving=TorchServing(engine_config=config, replicas=args.replicas))
     model = TrainableModel(
         project="bench", name=MODEL_NAME, base_model=MODEL, lora_rank=LORA_R, lora_alpha=LORA_ALPHA
     )
     started = time.perf_counter()
     asyncio.run(model.register(backend))
     hosted = backend.service.get(MODEL_NAME)
-    engine: Any = hosted.engine  # a TorchEngine (the default serving engine)
+    engine: Any = hosted.engine  # a TorchEngine (the default), or a ReplicatedEngine of them (--replicas)
     # What a train step does to the live adapter: change its weights while the engine is paused.
     engine.pause()
     try:
@@ -64,11 +67,14 @@ def worker_ours(args: argparse.Namespace) -> None:
                 if "lora_B" in name and f".{hosted.trainer.adapter_name}." in name:
                     param.copy_(torch.randn(param.shape, generator=generator) * LORA_B_STD)
                     changed += 1
+        if hosted.copies is not None:  # the other replicas get the step, as after a train step
+            hosted.copies.publish()
     finally:
         engine.resume()
     adapter_dir = work / "adapter"
     hosted.trainer.save_state(adapter_dir)
-    serving = engine.serving_model
+    first = engine.replicas[0] if isinstance(engine, ReplicatedEngine) else engine
+    serving = first.serving_model
     emit(
         "ready",
         {
@@ -83,6 +89,7 @@ def worker_ours(args: argparse.Namespace) -> None:
             "torch_threads": f"{torch.get_num_threads()} (OMP wait {wait_policy().lower()})",
             "torch": torch.__version__,
             "setup_s": round(time.perf_counter() - started, 1),
+            "replicas": args.replicas,
         },
     )
     for line in sys.stdin:  # the benchmark's commands; EOF (it died) also ends the worker
@@ -97,16 +104,20 @@ def worker_ours(args: argparse.Namespace) -> None:
     asyncio.run(backend.close())
 
 
-def start_ours(args: argparse.Namespace, work: Path) -> tuple[subprocess.Popen[str], dict[str, Any], Target]:
-    """Our server (a LocalBackend in its worker process), up and serving the live adapter."""
-    proc = start_worker("ours", args, work, [])
+def start_ours(
+    args: argparse.Namespace, work: Path, replicas: int = 1, key: str = "ours"
+) -> tuple[subprocess.Popen[str], dict[str, Any], Target]:
+    """Our server (a LocalBackend in its worker process, `replicas` TorchEngines), up and serving the
+    live adapter; `work` is its own folder (its model storage, adapter and log)."""
+    work.mkdir(parents=True, exist_ok=True)
+    proc = start_worker("ours", args, work, ["--replicas", str(replicas)])
     try:
         ready = read_marked(proc, "ready")
     except RuntimeError as exc:
         stop_ours(proc)
         raise RuntimeError(f"{exc}; its log ends:\n{log_tail(work / 'ours.log')}") from exc
     say(
-        f"ours: registered {ready['model']!r} in {ready['setup_s']} s; {ready['lora_b_tensors']} lora_B "
+        f"{key}: {replicas} replica(s); registered {ready['model']!r} in {ready['setup_s']} s; {ready['lora_b_tensors']} lora_B "
         f"tensors set to N(0, {LORA_B_STD}); serving copy {ready['serve_dtype']} (trainer "
         f"{ready['trainer_dtype']}), torch {ready['torch']}, {ready['torch_threads']} threads"
     )
@@ -117,7 +128,7 @@ def start_ours(args: argparse.Namespace, work: Path) -> tuple[subprocess.Popen[s
         proc.stdin.flush()
         return dict(read_marked(proc, "stats"))
 
-    target = Target("ours", ready["base_url"], ready["api_key"], ready["model"], proc.pid, batches)
+    target = Target(key, ready["base_url"], ready["api_key"], ready["model"], proc.pid, batches)
     return proc, ready, target
 
 

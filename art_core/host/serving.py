@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 
 from art_core.engine.config import EngineConfig
+from art_core.engine.replicas import RoutingConfig
 from art_core.engine.vllm.config import VLLMEngineConfig
 
 
@@ -64,6 +65,15 @@ class TorchServing(ServingConfig):
     engine: ClassVar[Literal["torch"]] = "torch"
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     """How TorchEngine batches, queues and caches (`EngineConfig`); its `max_context` caps the model's."""
+    replicas: int = 1
+    """TorchEngines serving the model (`art serve --replicas N`). 1: the trainer's own model serves.
+    N > 1: that one and N-1 more, each on its own copy of the weights (memory: N serving copies) with
+    its own decoding thread, behind a `ReplicatedEngine` (`engine.replicas`: a rollout stays on one
+    replica, new ones go to the least-loaded, a replica that dies is routed around). After each train
+    step the new LoRA is copied into every replica before any serves again. The replicas share this
+    process's cores: give each `cores / N` torch threads; see docs/distributed.md."""
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    """How requests are spread over the replicas (`RoutingConfig`); unused with one replica."""
 
     def __post_init__(self) -> None:
         _check_type(
@@ -72,6 +82,12 @@ class TorchServing(ServingConfig):
             EngineConfig,
             (VLLMEngineConfig, "vLLM's options go in VLLMServing(vllm=VLLMEngineConfig(...))"),
         )
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"TorchServing.replicas must be an int >= 1, got {self.replicas!r}")
+        if not isinstance(self.routing, RoutingConfig):
+            raise TypeError(
+                f"TorchServing.routing must be RoutingConfig(...), got {type(self.routing).__name__}"
+            )
 
 
 @dataclass(frozen=True)

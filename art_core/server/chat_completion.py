@@ -57,8 +57,20 @@ def _render(served: ServedModel, req: ChatCompletionRequest) -> list[int]:
         ) from exc
 
 
-def prepare_chat(router: ModelRouter, req: ChatCompletionRequest) -> PreparedChat:
-    """Everything before generating: checks, model, grammar, prompt, sampling; raises APIError."""
+def affinity_key(req: ChatCompletionRequest, rollout_id: str | None) -> str | None:
+    """What keeps a conversation on one inference replica: the rollout id, else the OpenAI `user`
+    field (a non-empty string), else None (the prompt's prefix routes it; see `engine.replicas`)."""
+    if rollout_id is not None:
+        return f"rollout:{rollout_id}"
+    user = (req.model_extra or {}).get("user")
+    return f"user:{user}" if isinstance(user, str) and user else None
+
+
+def prepare_chat(
+    router: ModelRouter, req: ChatCompletionRequest, rollout_id: str | None = None
+) -> PreparedChat:
+    """Everything before generating: checks, model, grammar, prompt, sampling; raises APIError.
+    `rollout_id`: the rollout the request belongs to (its replica affinity, `affinity_key`)."""
     check_supported(req)
     served = _resolve(router, req.model)
     grammar = request_grammar(req, served.tokenizer)
@@ -72,7 +84,7 @@ def prepare_chat(router: ModelRouter, req: ChatCompletionRequest) -> PreparedCha
             code="context_length_exceeded",
         )
     params = sampling_params(req, served.tokenizer, len(prompt_ids), served.max_context)
-    request = GenerationRequest(prompt_ids, params, served.adapter, grammar)
+    request = GenerationRequest(prompt_ids, params, served.adapter, grammar, affinity_key(req, rollout_id))
     return PreparedChat(served, prompt_ids, request, bool(req.tools) and req.tool_choice != "none")
 
 
@@ -92,13 +104,13 @@ def chat_choice(
 
 
 async def chat_completion(
-    router: ModelRouter, req: ChatCompletionRequest
+    router: ModelRouter, req: ChatCompletionRequest, rollout_id: str | None = None
 ) -> tuple[list[ChatChoice], dict[str, Any]]:
     """Answer one chat completion request: its choices (token records included) and the JSON body."""
-    prepared = prepare_chat(router, req)
+    prepared = prepare_chat(router, req, rollout_id)
     completions = await engine_call(prepared.served.engine.generate(prepared.request))
     choices = [chat_choice(req, prepared, i, c) for i, c in enumerate(completions)]
     return choices, build_response(req.model, [c.body for c in choices], len(prepared.prompt_ids))
 
 
-__all__ = ["PreparedChat", "chat_choice", "chat_completion", "prepare_chat"]
+__all__ = ["PreparedChat", "affinity_key", "chat_choice", "chat_completion", "prepare_chat"]

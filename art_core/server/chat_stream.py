@@ -116,10 +116,13 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 async def streamed_completion(
-    router: ModelRouter, req: ChatCompletionRequest, record: Callable[[list[ChatChoice]], None]
+    router: ModelRouter,
+    req: ChatCompletionRequest,
+    record: Callable[[list[ChatChoice]], None],
+    rollout_id: str | None = None,
 ) -> StreamingResponse:
     """The SSE response; it starts once the first tokens are there, so earlier failures are JSON errors."""
-    prepared = prepare_chat(router, req)
+    prepared = prepare_chat(router, req, rollout_id)
     stream, first = await engine_call(_open_stream(prepared.served, prepared.request))
     events = _ChatStream(req, prepared, record).events(stream, first)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

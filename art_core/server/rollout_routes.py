@@ -63,8 +63,8 @@ async def recorded_completion(
             recorder.record(rollout_id, record)
 
     if req.stream:
-        return await streamed_completion(router, req, record)
-    choices, response = await chat_completion(router, req)
+        return await streamed_completion(router, req, record, rollout_id)
+    choices, response = await chat_completion(router, req, rollout_id)
     record(choices)
     return JSONResponse(response)
 

@@ -227,6 +227,11 @@ class TorchEngine:
                 job.released = True
                 self._admission.release(job.request.params.n)
 
+    @property
+    def closed(self) -> bool:
+        """Whether the engine was closed or its worker died (it then serves nothing more)."""
+        return self._closed
+
     def pending_rows(self) -> int:
         """Rows admitted and not yet answered: queued, decoding, or waiting out a pause."""
         with self._cond:
