@@ -25,6 +25,7 @@ steps and leftover temporary files.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -52,6 +53,41 @@ STEP_RECORD = "step_record.json"
 STEP_REQUEST = "request.json"
 """The file inside a checkpoint folder holding the idempotency key of the train request that made it."""
 TRAIN_SPLIT = "train"
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""The errnos of a write that found no room: the filesystem is full, a quota or a file size limit."""
+
+
+_NO_ROOM = {
+    errno.ENOSPC: "the filesystem is full that holds",
+    errno.EDQUOT: "the disk quota is used up for",
+    errno.EFBIG: "a file size limit (ulimit -f) stops writes to",
+}
+_OS_ERROR = re.compile(r"os error (\d+)")
+"""How Rust libraries (safetensors) report an errno inside their own exception types."""
+
+
+def _full_errno(exc: BaseException) -> int | None:
+    """The errno of `exc` (or of its causes) when it says the filesystem had no room, else None.
+
+    An OSError carries it in `errno`; safetensors raises its own error type whose message ends in
+    "(os error 28)"."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _FULL:
+            return seen.errno
+        match = _OS_ERROR.search(str(seen))
+        if match and int(match.group(1)) in _FULL:
+            return int(match.group(1))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+class StorageFullError(OSError):
+    """A step could not be committed because its filesystem is full (ENOSPC, a quota, a size limit).
+
+    An OSError with the original errno and file name; the message says which step and folder, that
+    nothing of the step was kept and which checkpoint is still the newest."""
 
 
 def validate_name(name: str, what: str) -> str:
@@ -226,8 +262,10 @@ class ModelStorage:
         trajectories file is removed by `recover`), a crash after it a committed step whose history
         line `recover` appends from the checkpoint if the caller's `append_history` did not happen.
         `request_key` (a client's idempotency key) is stored beside it (`request_key(step)`).
+
+        A write that fails leaves nothing of the step: its temporary files and its trajectories file
+        are removed before the error propagates; a full filesystem is a `StorageFullError`.
         """
-        self.write_trajectories(TRAIN_SPLIT, step, groups)
 
         def write(folder: Path) -> None:
             save_state(folder)
@@ -235,7 +273,28 @@ class ModelStorage:
             if request_key is not None:
                 (folder / STEP_REQUEST).write_text(json.dumps({"request_key": request_key}), encoding="utf-8")
 
-        return self.write_checkpoint(step, write)
+        trajectories = self.root / "trajectories" / TRAIN_SPLIT / f"{step:04d}.jsonl"
+        try:
+            self.write_trajectories(TRAIN_SPLIT, step, groups)
+            return self.write_checkpoint(step, write)
+        except Exception as exc:
+            trajectories.unlink(missing_ok=True)
+            code = _full_errno(exc)
+            if code is None:
+                raise
+            newest = max((s for s in self.steps() if s < step), default=None)
+            kept = (
+                f"checkpoint {newest} is intact and still the newest"
+                if newest is not None
+                else "no earlier checkpoint exists"
+            )
+            where = getattr(exc, "filename", None) or self.checkpoint_dir(step)
+            raise StorageFullError(
+                code,
+                f"{_NO_ROOM[code]} {self.root} ({os.strerror(code)}) while writing {where} "
+                f"for step {step}: step {step} was not committed and nothing of it was kept; {kept}. "
+                "Free space (or delete old checkpoints) and train the step again",
+            ) from exc
 
     def step_record(self, step: int) -> dict[str, Any] | None:
         """The history line stored in checkpoint `step` by `commit_step` (None: none stored)."""
@@ -404,6 +463,7 @@ __all__ = [
     "STEP_RECORD",
     "STEP_REQUEST",
     "InvalidServedNameError",
+    "StorageFullError",
     "ModelStorage",
     "atomic_dir",
     "atomic_write_bytes",

@@ -119,10 +119,12 @@ def check_credit(scenario: Scenario, trajectory: Trajectory) -> float | None:
 
 
 def split_failed(group: TrajectoryGroup) -> tuple[TrajectoryGroup, list[Trajectory]]:
-    """The group without trajectories whose server failed, and those trajectories."""
+    """The group without trajectories whose server failed, and those trajectories; the group's
+    `metrics["server_failures"]` counts them (summed into the step's `train/server_failures`)."""
     failed = [t for t in group.trajectories if t.metrics.get("server_failure")]
     kept = [t for t in group.trajectories if not t.metrics.get("server_failure")]
-    return group.model_copy(update={"trajectories": kept}), failed
+    metrics = {**group.metrics, "server_failures": group.metrics.get("server_failures", 0) + len(failed)}
+    return group.model_copy(update={"trajectories": kept, "metrics": metrics}), failed
 
 
 def mark_success(group: TrajectoryGroup, scenario: Scenario) -> None:

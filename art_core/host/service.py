@@ -393,13 +393,39 @@ class ModelService:
         It advances on every step, trained or not, so that `get_step()` is also the data position a
         resumed run continues from."""
         step, started = hosted.step + 1, time.perf_counter()
-        hosted.storage.commit_step(
-            step,
-            groups,
-            hosted.trainer.save_state,
-            lambda: record(time.perf_counter() - started),
-            request_key,
-        )
+        try:
+            hosted.storage.commit_step(
+                step,
+                groups,
+                hosted.trainer.save_state,
+                lambda: record(time.perf_counter() - started),
+                request_key,
+            )
+        except Exception as exc:
+            # The trainer holds the uncommitted step's weights: back to the newest checkpoint, so that
+            # what is served and trained next is what the disk says (a retry trains the step again).
+            name, why = hosted.spec.name, f"{type(exc).__name__}: {exc}"
+            try:
+                hosted.trainer.load_state(hosted.storage.checkpoint_dir(hosted.step))
+            except Exception as rollback:  # logged; the commit's error is the one that propagates
+                logger.error(
+                    "step %d of %s was not committed (%s), and rolling back to checkpoint %d failed "
+                    "(%s: %s): register the model again before training on",
+                    step, name, why, hosted.step, type(rollback).__name__, rollback,
+                )  # fmt: skip
+                rolled_back = False
+            else:
+                rolled_back = True
+            if not rolled_back:
+                raise
+            logger.error(
+                "step %d of %s was not committed (%s); rolled back to checkpoint %d",
+                step,
+                name,
+                why,
+                hosted.step,
+            )
+            raise
         hosted.step = step
 
     def delete_checkpoints(self, name: str, keep: Iterable[int]) -> list[int]:
@@ -447,6 +473,7 @@ def untrained_reason(batch_metrics: dict[str, float], train_metrics: dict[str, f
         for key, what in (
             ("groups_zero_variance", "had equal rewards (no signal to compare)"),
             ("groups_empty", "had no trajectories"),
+            ("groups_unscored", "could not be scored (judge errors)"),
         )
         if (n := batch_metrics.get(key, 0))
     ]

@@ -10,6 +10,9 @@ ART 0.5's names:
 | `train/<metric>`                      | mean of each trajectory metric                                |
 | `train/exception_rate`                | failed rollouts / (failed + finished)                         |
 | `train/judge_calls`, `/judge_errors`  | summed from the groups' metrics where RULER scored them       |
+| `train/ruler_errors`                  | groups RULER could not score (skipped: `train/groups_unscored`)|
+| `train/server_failures`               | rollouts whose MCP server failed (taken out by `split_failed`)|
+| `train/rollout_exceptions`            | failed rollouts (`train/groups_empty`: groups left with none) |
 | `data/step_num_groups_submitted`      | groups passed to `train`                                      |
 | `data/step_num_groups_trainable`      | groups with a reward spread (a training signal)               |
 | `data/step_num_trajectories`          | trajectories passed to `train`                                |

@@ -46,12 +46,21 @@ def split_metrics(groups: Iterable[TrajectoryGroup], split: str) -> dict[str, fl
     return out
 
 
-_SUMMED_GROUP_METRICS = ("judge_calls", "judge_errors", "ruler_errors", "ruler_attempts")
-"""Group metrics that are counts (RULER's, see `autorl.ruler`): summed over the groups, not averaged."""
+_SUMMED_GROUP_METRICS = (
+    "judge_calls",
+    "judge_errors",
+    "ruler_errors",
+    "ruler_attempts",
+    "after_each_errors",
+    "server_failures",
+)
+"""Group metrics that are counts, summed over the groups, not averaged: RULER's (`autorl.ruler`),
+the gather's failed `after_each` calls, and rollouts whose tool server failed (`mcp_rl.rewards.split_failed`)."""
 
 
 def group_metrics(groups: list[TrajectoryGroup], split: str) -> dict[str, float]:
-    """`{split}/judge_calls`, `/judge_errors`, `/ruler_errors` summed over the groups that hold them,
+    """`{split}/judge_calls`, `/judge_errors`, `/ruler_errors`, `/after_each_errors`, `/server_failures`
+    summed over the groups that hold them,
     and `{split}/group_<name>` (ART's name) for the mean of every other group metric."""
     out: dict[str, float] = {}
     for name in sorted({k for g in groups for k in g.metrics}):

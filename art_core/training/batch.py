@@ -1,7 +1,9 @@
 """From trajectory groups to a training batch: advantages, exact-token sequences, skips, micro-batches.
 
 `prepare_batch` is strict about what the user must fix and explicit about what it skips:
-- a missing or non-finite reward raises ValueError naming the group and trajectory (never dropped);
+- a missing or non-finite reward raises ValueError naming the group and trajectory (never dropped),
+  except in a group whose scoring failed and was counted (`ruler_errors` or `after_each_errors` in
+  its metrics, every reward unset): that group is skipped and counted in `groups_unscored`;
 - an empty group, a zero-variance group (all rewards equal), a trajectory without trainable tokens
   and a sequence longer than the context are skipped, counted in `metrics` and explained in `warnings`;
 - when no trajectory of the whole batch has trainable tokens, `NoTrainableTokensError` is raised,
@@ -97,6 +99,7 @@ _COUNTERS = (
     "groups_total",
     "groups_empty",
     "groups_zero_variance",
+    "groups_unscored",
     "groups_trainable",
     "trajectories_total",
     "trajectories_skipped_no_tokens",
@@ -109,10 +112,24 @@ _COUNTERS = (
 )
 
 
+_SCORING_FAILURES = ("ruler_errors", "after_each_errors")
+"""Group metrics that mark a group whose scoring failed and was counted (RULER's, the gather's)."""
+
+
+def unscored(group: TrajectoryGroup) -> bool:
+    """Whether the group's scoring failed and was counted, leaving every reward unset: it is skipped
+    (`groups_unscored`), never trained on with made-up rewards."""
+    failed = any(group.metrics.get(name) for name in _SCORING_FAILURES)
+    return failed and all(t.reward is None for t in group.trajectories)
+
+
 def _checked_rewards(groups: Sequence[TrajectoryGroup]) -> list[list[float]]:
-    """Every reward, or a ValueError that says which trajectory to fix."""
+    """Every reward (none for an `unscored` group), or a ValueError that says which trajectory to fix."""
     rewards: list[list[float]] = []
     for gi, group in enumerate(groups):
+        if unscored(group):
+            rewards.append([])
+            continue
         row = []
         for ti, trajectory in enumerate(group.trajectories):
             try:
@@ -188,7 +205,9 @@ def prepare_batch(
         tally.skip("trajectories_skipped_no_tokens", f"group {gi}, trajectory {ti} skipped: {reason}")
     examples: list[TrainingExample] = []
     for gi, row in enumerate(rewards):
-        examples.extend(_group_examples(gi, row, table[gi], scale_rewards, max_context, tally))
+        examples.extend(
+            _group_examples(gi, row, table[gi], scale_rewards, max_context, tally, unscored(groups[gi]))
+        )
     if not groups:
         tally.warnings.append("no groups were given, so there is nothing to train on")
     tally.counts["examples"] = float(len(examples))
@@ -203,8 +222,15 @@ def _group_examples(
     scale_rewards: bool,
     max_context: int,
     tally: _Tally,
+    unscored_group: bool = False,
 ) -> list[TrainingExample]:
     """The examples of one group, recording every skip in `tally`."""
+    if not rewards and unscored_group:
+        tally.skip(
+            "groups_unscored",
+            f"group {gi} skipped: its scoring failed (counted in judge_errors/ruler_errors), so it has no rewards",
+        )
+        return []
     if not rewards:
         tally.skip("groups_empty", f"group {gi} skipped: it has no trajectories (did every rollout fail?)")
         return []

@@ -11,7 +11,7 @@ import pytest
 
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.rollouts.records import Trajectory, Turn
-from art_core.storage import STEP_RECORD, ModelStorage
+from art_core.storage import STEP_RECORD, ModelStorage, StorageFullError
 
 
 @pytest.fixture
@@ -60,12 +60,28 @@ def test_a_save_that_raises_commits_nothing(storage: ModelStorage) -> None:
     def broken(folder: Path) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(StorageFullError, match="No space left on device.*step 1 was not committed") as full:
         storage.commit_step(1, groups(0.1), broken, dict)
+    assert full.value.errno == errno.ENOSPC and isinstance(full.value, OSError)
     assert storage.steps() == [] and not list(storage.checkpoints_dir.iterdir())
-    # the trajectories file was written first; recover removes it, since step 1 never counted
+    # the trajectories file was written first; the failed commit removed it, so recover has nothing to do
+    assert not (storage.root / "trajectories" / "train" / "0001.jsonl").exists()
+    assert storage.recover() == []
+
+
+def test_a_crash_between_trajectories_and_checkpoint_is_repaired_by_recover(storage: ModelStorage) -> None:
+    storage.write_trajectories("train", 1, groups(0.1))  # what a kill right after this write leaves
     assert storage.recover() == ["removed trajectories/train/0001.jsonl: step 1 was never checkpointed"]
     assert not (storage.root / "trajectories" / "train" / "0001.jsonl").exists()
+
+
+def test_a_save_that_fails_otherwise_keeps_its_error_and_commits_nothing(storage: ModelStorage) -> None:
+    def broken(folder: Path) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    with pytest.raises(PermissionError):
+        storage.commit_step(1, groups(0.1), broken, dict)
+    assert storage.steps() == [] and storage.recover() == []
 
 
 def test_recover_drops_a_torn_last_line_and_keeps_a_newline_ending(storage: ModelStorage) -> None:

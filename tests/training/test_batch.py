@@ -51,6 +51,24 @@ def test_missing_or_non_finite_reward_raises_naming_the_trajectory(bad: float | 
         prepare_batch(groups, scale_rewards=True, max_context=100)
 
 
+@pytest.mark.parametrize("marker", ["ruler_errors", "after_each_errors"])
+def test_a_group_whose_scoring_failed_is_a_counted_skip_not_zero_rewards(marker: str) -> None:
+    failed = TrajectoryGroup([trajectory(None), trajectory(None)], metrics={marker: 1})
+    batch = prepare_batch(
+        [failed, group(trajectory(1.0), trajectory(0.0))], scale_rewards=True, max_context=100
+    )
+    assert batch.metrics["groups_unscored"] == 1 and batch.metrics["groups_trainable"] == 1
+    assert {e.group_index for e in batch.examples} == {1} and batch.metrics["reward"] == 0.5
+    assert any("group 0" in w and "its scoring failed" in w for w in batch.warnings)
+
+
+def test_unset_rewards_without_a_counted_scoring_failure_still_raise() -> None:
+    partly = TrajectoryGroup([trajectory(1.0), trajectory(None)], metrics={"ruler_errors": 1})
+    for bad in (group(trajectory(None), trajectory(None)), partly):
+        with pytest.raises(ValueError, match="trajectory has no reward"):
+            prepare_batch([bad], scale_rewards=True, max_context=100)
+
+
 def test_empty_group_is_a_counted_skip() -> None:
     batch = prepare_batch(
         [group(), group(trajectory(1.0), trajectory(0.0))], scale_rewards=True, max_context=100
