@@ -35,7 +35,7 @@ from peft.utils import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from art_core.models.allocator import release_free_memory
+from art_core.models.allocator import HeapTrimmer
 from art_core.training.batch import BatchTotals, PreparedBatch, TrainingExample, collate, micro_batches
 from art_core.training.config import TrainConfig
 from art_core.training.distributed import (
@@ -140,6 +140,7 @@ class Trainer:
         """One dropout draw for a shared prefix would replace one per row, so dropout turns sharing off."""
         self.world = world if world is not None and world.world_size > 1 else None
         self.lockstep = lockstep
+        self._heap = HeapTrimmer()
         if self.world is not None:
             broadcast_parameters(self.params, self.world)
 
@@ -311,9 +312,9 @@ class Trainer:
         metrics = {**combine_metrics(parts), "micro_batches": float(len(parts))}
         metrics.update(self.optim_step(self.config.learning_rate))
         metrics["trained"] = 1.0 - metrics["optim_step_skipped"]
-        # The step's activations are freed but glibc keeps most of them; give them back before
-        # rollouts resume (a few ms; docs/benchmarks.md, "Where `art demo`'s memory goes").
-        release_free_memory()
+        # The step's activations are freed but glibc keeps them; give the heap back when it has
+        # grown past one step's working set (docs/benchmarks.md, "Where `art demo`'s memory goes").
+        self._heap.after_step()
         return metrics
 
     def _forward_backward_share(

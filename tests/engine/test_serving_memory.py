@@ -6,10 +6,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 
 from art_core.engine.torch.serving_weights import MergedWeights
-from art_core.models.allocator import limit_arenas, release_free_memory
+from art_core.models.allocator import HeapTrimmer, free_heap_bytes, limit_arenas, release_free_memory
 from art_core.models.loading import LoadedModel
 
 
@@ -71,3 +72,39 @@ def test_the_allocator_helpers() -> None:
         assert "count must be >= 1" in str(exc)
     else:
         raise AssertionError("limit_arenas(0) must raise")
+
+
+def test_the_free_heap_is_read_where_glibc_has_mallinfo2() -> None:
+    free = free_heap_bytes()
+    if free is None:
+        pytest.skip("not glibc >= 2.33: the trimmer trims after every step there")
+    # 200 blocks under malloc's mmap threshold, then one that stays: freeing the 200 leaves a hole
+    # below it that glibc keeps (it only returns the top of the heap by itself).
+    blocks = [bytearray(100_000) for _ in range(200)]
+    keep = bytearray(100_000)
+    before = free_heap_bytes()
+    del blocks
+    after = free_heap_bytes()
+    assert before is not None and after is not None
+    assert after - before >= 15_000_000
+    assert len(keep) == 100_000
+
+
+def test_the_heap_is_trimmed_when_it_grows_not_after_every_step() -> None:
+    """Free heap after each step: loading garbage, then a working set of 1000 that the steps
+    reuse, then growth (fragmentation) of 100 a step until it passes the slack of 250."""
+    readings = iter([5000, 1000, 1000, 1100, 1200, 1300, 1000, 1000])
+    trims: list[int] = []
+    trimmer = HeapTrimmer(250, read_free=lambda: next(readings), trim=lambda: trims.append(1) or True)
+    done = [trimmer.after_step() for _ in range(8)]
+    # step 1 drops what loading left; 2 measures the working set; 3-5 stay within 1000 + 250;
+    # 6 (1300) trims; 7 measures anew; 8 stays.
+    assert done == [True, False, False, False, False, True, False, False]
+    assert trimmer.trims == 2
+
+
+def test_without_a_heap_reading_every_step_trims() -> None:
+    trimmer = HeapTrimmer(read_free=lambda: None, trim=lambda: True)
+    assert [trimmer.after_step() for _ in range(3)] == [True, True, True]
+    with pytest.raises(ValueError, match="slack_bytes must be >= 0"):
+        HeapTrimmer(-1)
