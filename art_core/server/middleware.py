@@ -69,9 +69,9 @@ class BodySizeLimit:
     """ASGI middleware: a request body of more than `max_bytes` is answered 413 `request_too_large`.
 
     A declared `Content-Length` above the limit is refused before the app runs, without reading the
-    body; a body without one (chunked) is counted as it arrives and refused once it passes the limit
-    (as a Starlette `HTTPException`, which FastAPI passes through while it reads the body, so the
-    error handlers answer it).
+    body; a body without one (chunked) is counted as it arrives and refused once it passes the limit,
+    by raising `RequestTooLargeError` from `receive` (an `HTTPException`, which FastAPI passes through
+    while it reads a body, so the error handlers answer it; here, if they did not).
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
@@ -94,7 +94,11 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         declared = Headers(scope=scope).get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > self.max_bytes:
+        if (
+            declared.isascii()
+            and declared.isdigit()
+            and (len(declared) > 18 or int(declared) > self.max_bytes)
+        ):
             await self._too_large(declared).error.response()(scope, receive, send)
             return
         received = 0
