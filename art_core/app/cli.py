@@ -266,6 +266,15 @@ def serve(
             "Retry-After. Default: 4096.",
         ),
     ] = None,
+    max_body_mib: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            show_default=False,
+            help="Largest request body in MiB (a train request's trajectories); past it requests get 413. "
+            "Default: 128.",
+        ),
+    ] = None,
     engine: Annotated[
         EngineName,
         typer.Option(
@@ -323,7 +332,7 @@ def serve(
     from art_core.host.routes import create_server_app
     from art_core.host.service import ModelService
     from art_core.server.app import KEEP_ALIVE_S
-    from art_core.server.middleware import MAX_CONCURRENT_REQUESTS
+    from art_core.server.middleware import MAX_BODY_BYTES, MAX_CONCURRENT_REQUESTS
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[_rich_handler()])
     try:
@@ -347,7 +356,12 @@ def serve(
         soft_wrap=True,
     )
     try:
-        app = create_server_app(service, api_key=api_key, max_concurrent_requests=max_in_flight)
+        app = create_server_app(
+            service,
+            api_key=api_key,
+            max_concurrent_requests=max_in_flight,
+            max_body_bytes=max_body_mib * 2**20 if max_body_mib else MAX_BODY_BYTES,
+        )
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         service.close()

@@ -87,6 +87,11 @@ class RemoteNotFoundError(RemoteError):
     """404: no such model is registered on the server."""
 
 
+class RemoteRequestTooLargeError(RemoteError):
+    """413: the request body is over the server's limit (`art serve --max-body-mib`); send fewer
+    trajectories per `train` call, or raise the server's limit."""
+
+
 class RemoteUnavailableError(RemoteError, ConnectionError):
     """No HTTP answer: the server is unreachable or the connection broke (`status` is 0)."""
 
@@ -95,6 +100,7 @@ _BY_STATUS: dict[int, type[RemoteError]] = {
     400: RemoteBadRequestError,
     401: RemoteAuthenticationError,
     404: RemoteNotFoundError,
+    413: RemoteRequestTooLargeError,
 }
 
 
@@ -344,6 +350,7 @@ __all__ = [
     "RemoteBadRequestError",
     "RemoteError",
     "RemoteNotFoundError",
+    "RemoteRequestTooLargeError",
     "RemoteUnavailableError",
     "encode_train_request",
     "normalize_base_url",

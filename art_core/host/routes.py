@@ -19,8 +19,11 @@ without one of those was cut off. Floats that are not finite are written as `NaN
 
 Errors found before training starts (unknown model 404; a bad config, a missing or non-finite
 reward, no trainable tokens 400) are answered as plain HTTP errors in OpenAI's JSON shape, since
-the stream starts only once the batch has been prepared. Authentication is the app's: the API key
-middleware of `create_app` covers these routes too.
+the stream starts only once the batch has been prepared. A body that does not validate is a 400
+naming the field's path (`groups.0.trajectories.1.reward: ...`); a project or model name that is not
+one safe path component (`..`, `/`, ...) is a 400 `invalid_name` before anything is looked up.
+Authentication (401) and the body's size (413) are the app's: the middleware of `create_app`
+covers these routes too (docs/reliability.md, "Abuse of the training routes").
 
 No timeout is imposed here: registering a big model or training a long step takes as long as it
 takes (ART #281 timed out at a hard-coded 10 s).
@@ -46,8 +49,9 @@ from art_core.host.service import ModelService
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.server.app import create_app
 from art_core.server.errors import APIError, http_error
-from art_core.server.middleware import MAX_CONCURRENT_REQUESTS
+from art_core.server.middleware import MAX_BODY_BYTES, MAX_CONCURRENT_REQUESTS
 from art_core.server.router import UnknownModelError
+from art_core.storage import validate_name
 from art_core.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -137,7 +141,20 @@ def api_error(exc: BaseException) -> APIError:
     return http_error(exc, doing="the training route", bad_values_are_400=True)
 
 
+def checked_name(name: str, param: str) -> str:
+    """`name` if it is safe as one path component (`storage.validate_name`: no `..`, `/`, `\\`, no
+    leading `.`, 1-128 of letters, digits, `.`, `_`, `-`); else APIError 400 naming `param`.
+
+    Every training route checks the names it is given before it looks anything up or builds a path.
+    """
+    try:
+        return validate_name(name, param.replace("_", " "))
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=param, code="invalid_name") from None
+
+
 def _check_registered(service: ModelService, name: str) -> None:
+    checked_name(name, "name")
     try:
         service.get(name)
     except UnknownModelError:
@@ -243,6 +260,8 @@ def training_router(service: ModelService) -> APIRouter:
 
     @router.post("")
     async def register(spec: ModelSpec, request: Request) -> RegisterResponse:
+        checked_name(spec.project, "project")
+        checked_name(spec.name, "name")
         try:
             hosted = await asyncio.to_thread(service.register, spec)
         except Exception as exc:
@@ -291,12 +310,19 @@ def create_server_app(
     *,
     api_key: str | None = None,
     max_concurrent_requests: int = MAX_CONCURRENT_REQUESTS,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The whole `art serve` app: OpenAI routes, training routes, and the API key on every route.
 
-    Past `max_concurrent_requests` HTTP requests in flight (all routes but `/health`), others get 503.
+    Past `max_concurrent_requests` HTTP requests in flight (all routes but `/health`), others get 503;
+    a request body over `max_body_bytes` gets 413.
     """
-    app = create_app(service, api_key=api_key, max_concurrent_requests=max_concurrent_requests)
+    app = create_app(
+        service,
+        api_key=api_key,
+        max_concurrent_requests=max_concurrent_requests,
+        max_body_bytes=max_body_bytes,
+    )
     app.title = "art serve"
     app.include_router(training_router(service))
     return app
@@ -308,6 +334,7 @@ __all__ = [
     "TrainRequest",
     "TrainStream",
     "api_error",
+    "checked_name",
     "create_server_app",
     "decode_train_config",
     "training_router",

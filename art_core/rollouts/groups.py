@@ -26,7 +26,7 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,12 @@ from art_core.rollouts.progress import GatherProgress
 from art_core.rollouts.records import ExceptionInfo, Trajectory
 
 logger = logging.getLogger(__name__)
+
+
+def _sequence(value: Any) -> bool:
+    """Whether `value` is a collection of items (not text, bytes or a mapping, which pydantic refuses
+    as a list with the field's name)."""
+    return isinstance(value, Iterable) and not isinstance(value, str | bytes | Mapping)
 
 
 class TrajectoryGroup(BaseModel):
@@ -62,16 +68,16 @@ class TrajectoryGroup(BaseModel):
         trajectories: Iterable[Trajectory | dict[str, Any] | Awaitable[Trajectory]] = (),
         **kwargs: Any,
     ) -> None:
-        done: list[Trajectory] = []
-        pending: list[Awaitable[Trajectory]] = list(kwargs.pop("pending", []))
-        for item in trajectories:
-            if isinstance(item, Trajectory):
-                done.append(item)
-            elif isinstance(item, dict):
-                done.append(Trajectory.model_validate(item))
-            else:
-                pending.append(item)
-        super().__init__(trajectories=done, pending=pending, **kwargs)
+        pending: Any = kwargs.pop("pending", [])
+        if _sequence(pending):
+            pending = list(pending)
+        if _sequence(trajectories) and isinstance(pending, list):
+            items = list(trajectories)
+            pending += [item for item in items if inspect.isawaitable(item)]
+            trajectories = [item for item in items if not inspect.isawaitable(item)]
+        # Everything else, a dict or a value that is no trajectory at all (JSON from a client), is
+        # validated by the fields, so an error names its place: `trajectories.<i>.<field>`.
+        super().__init__(trajectories=trajectories, pending=pending, **kwargs)
 
     def __await__(self):  # type: ignore[no-untyped-def]
         async def run() -> TrajectoryGroup:

@@ -24,7 +24,13 @@ from fastapi.responses import Response
 
 from art_core.capture import ROLLOUT_ID_HEADER, RolloutRecorder
 from art_core.server.errors import install_error_handlers
-from art_core.server.middleware import MAX_CONCURRENT_REQUESTS, ConcurrencyLimit, require_api_key
+from art_core.server.middleware import (
+    MAX_BODY_BYTES,
+    MAX_CONCURRENT_REQUESTS,
+    BodySizeLimit,
+    ConcurrencyLimit,
+    require_api_key,
+)
 from art_core.server.openai_format import ChatCompletionRequest, model_list
 from art_core.server.rollout_routes import checked_rollout_id, install_rollout_routes, recorded_completion
 from art_core.server.router import ModelRouter
@@ -36,15 +42,21 @@ def create_app(
     api_key: str | None = None,
     recorder: RolloutRecorder | None = None,
     max_concurrent_requests: int = MAX_CONCURRENT_REQUESTS,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app; with `api_key`, every route needs `Authorization: Bearer <api_key>`.
 
     `recorder` keeps the rollout records (a fresh one when None); it is also `app.state.recorder`.
-    Past `max_concurrent_requests` HTTP requests in flight, others get 503 (`ConcurrencyLimit`).
+    Past `max_concurrent_requests` HTTP requests in flight, others get 503 (`ConcurrencyLimit`); a
+    request body over `max_body_bytes` gets 413 (`BodySizeLimit`). Order: the API key is checked
+    first, then requests in flight, then the body's size.
     """
     if max_concurrent_requests < 1:
         raise ValueError(f"max_concurrent_requests must be >= 1, got {max_concurrent_requests}")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     app = FastAPI(title="art_core OpenAI-compatible server")
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)  # added first, so it runs last
     app.add_middleware(ConcurrencyLimit, limit=max_concurrent_requests)
     install_error_handlers(app)
     recorder = recorder if recorder is not None else RolloutRecorder()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -77,6 +77,18 @@ class APIError(Exception):
         return JSONResponse({"error": self.body()}, status_code=self.status, headers=self.headers)
 
 
+class RequestTooLargeError(StarletteHTTPException):
+    """A request body over the server's limit (`middleware.BodySizeLimit`), raised while it is read.
+
+    An HTTPException, because FastAPI passes those through while it reads a body (any other error
+    there becomes a generic 400); the error handlers answer it with `error` (413 `request_too_large`).
+    """
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.status, error.message)
+        self.error = error
+
+
 async def engine_call(call: Awaitable[T]) -> T:
     """Await an engine call; its errors become APIErrors (`engine_error`)."""
     try:
@@ -130,6 +142,32 @@ def engine_error(exc: Exception) -> APIError:
     return http_error(exc, doing="generation")
 
 
+SHOWN_VALIDATION_PROBLEMS = 3
+"""How many of a request's validation problems a 400 spells out (the rest are counted)."""
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
+    """The 400 for pydantic's validation `errors` of a request: each problem as `field.path: message`
+    (`groups.0.trajectories.1.reward: Input should be a valid number`; the leading `body` dropped),
+    the first few in the message, the first one's path as `param`."""
+    problems, first_path = [], None
+    for error in errors:
+        message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        if error.get("type") == "json_invalid":  # its loc is ("body", offset): say so, not "123: ..."
+            offset = ".".join(str(part) for part in error.get("loc", ())[1:])
+            path, message = "body", f"invalid JSON at character {offset}: {error.get('ctx', {}).get('error')}"
+        else:
+            path = ".".join(str(part) for part in error.get("loc", ()) if part != "body") or "body"
+        first_path = first_path or path
+        problems.append(f"{path}: {message}")
+    if not problems:
+        return APIError(400, "invalid request")
+    message = "; ".join(problems[:SHOWN_VALIDATION_PROBLEMS])
+    if len(problems) > SHOWN_VALIDATION_PROBLEMS:
+        message += f" (and {len(problems) - SHOWN_VALIDATION_PROBLEMS} more problems)"
+    return APIError(400, message, param=None if first_path == "body" else first_path)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error of `app` in OpenAI's shape (a validation error is a 400, not FastAPI's 422)."""
 
@@ -139,13 +177,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return APIError(400, message, param=".".join(loc) or None).response()
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc, RequestTooLargeError):
+            return exc.error.response()
         return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(Exception)
@@ -156,11 +193,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 __all__ = [
+    "SHOWN_VALIDATION_PROBLEMS",
     "UNAVAILABLE_RETRY_AFTER_S",
     "APIError",
     "JSONResponse",
+    "RequestTooLargeError",
     "engine_call",
     "engine_error",
     "http_error",
     "install_error_handlers",
+    "validation_error",
 ]

@@ -1,6 +1,7 @@
-"""Who gets into the server: the API key check (401) and the bound on requests in flight (503).
+"""Who gets into the server: the API key check (401), the bound on requests in flight (503) and the
+bound on a request body's size (413).
 
-Both answer at once in OpenAI's error shape (`art_core.server.errors`). The engines' own bound
+Each answers at once in OpenAI's error shape (`art_core.server.errors`). The engines' own bound
 (`EngineConfig.max_queued_rows`, HTTP 429) is what clients normally meet; `ConcurrencyLimit`
 keeps the process's memory and sockets bounded whatever the route (docs/architecture.md,
 "Bounded under load").
@@ -8,32 +9,121 @@ keeps the process's memory and sockets bounded whatever the route (docs/architec
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from typing import Any
 
 from fastapi import FastAPI, Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from art_core.server.errors import UNAVAILABLE_RETRY_AFTER_S, APIError
+from art_core.server.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, RequestTooLargeError
 
 MAX_CONCURRENT_REQUESTS = 4096
 """Default bound on HTTP requests in flight (`create_app`); past it the server answers 503. Above the
 engine's default `max_queued_rows` (2048), so a client normally meets the engine's 429 first."""
 
 
-def _authorized(request: Request, api_key: str) -> bool:
-    given = request.headers.get("authorization", "")
-    return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+MAX_BODY_BYTES = 128 * 2**20
+"""Default bound on a request body (`create_app`, `art serve --max-body-mib`): 128 MiB, room for a
+train request of a few hundred trajectories of thousands of tokens each (ids and log-probs as JSON
+text are some 25 bytes a token); past it the server answers 413 without reading the rest."""
+
+
+def keys_match(given: str, expected: str) -> bool:
+    """Whether `given` equals `expected`, in time independent of where they differ and of their lengths.
+
+    Both are hashed (SHA-256) first and the digests compared with `hmac.compare_digest`: a plain
+    `compare_digest` of the keys themselves returns at once when the lengths differ, which tells an
+    attacker the key's length.
+    """
+    given_digest = hashlib.sha256(given.encode("utf-8", "surrogatepass")).digest()
+    expected_digest = hashlib.sha256(expected.encode("utf-8", "surrogatepass")).digest()
+    return hmac.compare_digest(given_digest, expected_digest)
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def require_api_key(app: FastAPI, api_key: str) -> None:
-    """Every route of `app` needs `Authorization: Bearer <api_key>`; else 401 `invalid_api_key`."""
+    """Every route of `app` needs `Authorization: Bearer <api_key>`; else 401 `invalid_api_key` with
+    `WWW-Authenticate: Bearer`. The key is compared in constant time (`keys_match`)."""
+    expected = f"Bearer {api_key}"
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Any:
-        if not _authorized(request, api_key):
-            return APIError(401, "Incorrect API key provided", code="invalid_api_key").response()
+        given = request.headers.get("authorization")
+        if given is None:
+            return _unauthorized(
+                "Missing API key: send the server's key as `Authorization: Bearer <key>`"
+            ).response()
+        if not keys_match(given, expected):
+            return _unauthorized(
+                "Incorrect API key provided: send the server's key as `Authorization: Bearer <key>`"
+            ).response()
         return await call_next(request)
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body of more than `max_bytes` is answered 413 `request_too_large`.
+
+    A declared `Content-Length` above the limit is refused before the app runs, without reading the
+    body; a body without one (chunked) is counted as it arrives and refused once it passes the limit,
+    by raising `RequestTooLargeError` from `receive` (an `HTTPException`, which FastAPI passes through
+    while it reads a body, so the error handlers answer it; here, if they did not).
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_bytes}")
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self, size: str) -> RequestTooLargeError:
+        return RequestTooLargeError(
+            APIError(
+                413,
+                f"the request body is {size} bytes, over this server's limit of {self.max_bytes} bytes "
+                "(max_body_bytes; `art serve --max-body-mib`): send fewer trajectories per request",
+                code="request_too_large",
+            )
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if (
+            declared.isascii()
+            and declared.isdigit()
+            and (len(declared) > 18 or int(declared) > self.max_bytes)
+        ):
+            await self._too_large(declared).error.response()(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large(f"more than {self.max_bytes}")
+            return message
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, watched_send)
+        except RequestTooLargeError as exc:  # raised where the app's error handlers did not answer it
+            if started:
+                raise
+            await exc.error.response()(scope, receive, send)
 
 
 class ConcurrencyLimit:
@@ -73,4 +163,11 @@ class ConcurrencyLimit:
             self.in_flight -= 1
 
 
-__all__ = ["MAX_CONCURRENT_REQUESTS", "ConcurrencyLimit", "require_api_key"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "MAX_CONCURRENT_REQUESTS",
+    "BodySizeLimit",
+    "ConcurrencyLimit",
+    "keys_match",
+    "require_api_key",
+]

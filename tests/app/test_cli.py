@@ -53,3 +53,8 @@ def test_art_serve_torch_engine_flags_are_refused_with_vllm(tmp_path: Path) -> N
         assert f"{named} applies to the torch engine" in " ".join(result.output.split())
     negative = CliRunner().invoke(app, ["serve", "--path", str(tmp_path), "--prefix-cache-mib", "-1"])
     assert negative.exit_code == 2
+
+
+def test_art_serve_refuses_a_body_limit_under_1_mib(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["serve", "--path", str(tmp_path), "--max-body-mib", "0"])
+    assert result.exit_code == 2 and "--max-body-mib" in result.output

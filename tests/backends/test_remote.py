@@ -26,6 +26,7 @@ from art_core.backends.remote import (
     RemoteBadRequestError,
     RemoteError,
     RemoteNotFoundError,
+    RemoteRequestTooLargeError,
     RemoteUnavailableError,
     encode_train_request,
 )
@@ -38,6 +39,8 @@ from art_core.server.app import serve_in_thread
 from art_core.training.config import TrainConfig
 
 KEY = "test-key-0123456789"
+MAX_BODY_MIB = 1
+"""The server's `--max-body-mib` (its default, 128, would make the oversized upload slow to build)."""
 MESSAGES: Any = [{"role": "user", "content": "Name a fruit."}]
 STARTUP_TIMEOUT_S = 240.0
 
@@ -62,7 +65,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
     log = folder / "server.log"
     command = [sys.executable, "-m", "art_core.app.cli", "serve", "--port", str(port), "--api-key", KEY]
-    command += ["--path", str(folder / ".art"), "--log-level", "warning"]
+    command += ["--path", str(folder / ".art"), "--log-level", "warning", "--max-body-mib", str(MAX_BODY_MIB)]
     with log.open("wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=_server_env())
     try:
@@ -163,6 +166,17 @@ async def test_wrong_api_key_is_401_on_training_and_openai_routes(server: Server
     response = httpx.post(server.url + "/v1/art/models/agent-auth/train", json={"groups": []})
     assert response.status_code == 401
     assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+async def test_an_upload_over_max_body_mib_is_413(server: Server) -> None:
+    model, backend = await registered(server, "agent-big")
+    text = "fruit " * (MAX_BODY_MIB * 2**20 // 6 + 1)
+    big = Trajectory(messages=[{"role": "user", "content": text}], reward=1.0)
+    async with backend:
+        with pytest.raises(RemoteRequestTooLargeError) as caught:
+            await backend.train(model.name, [TrajectoryGroup([big, big])], TrainConfig())
+        assert caught.value.status == 413 and f"limit of {MAX_BODY_MIB * 2**20} bytes" in caught.value.message
+        assert await backend.get_step(model.name) == 0
 
 
 async def test_unknown_model_is_404(server: Server) -> None:
