@@ -5,8 +5,10 @@ real rollouts through our server, `model.train`, checkpoints under ROOT. Each of
 SIGKILLed in one window, cycling through
 `rollout, train, save, trajectories, checkpoint, history, random`: the first six are hit
 deliberately (the script kills itself inside the window, `ART_CRASH_AT`; see its docstring), `random`
-is a SIGKILL from here at a random moment (uniform in `--random-window-s` seconds after the run
-reports that it resumed). After each kill, before restarting, every checkpoint on disk is loaded
+is a SIGKILL from here at a random moment after the run reports that it resumed: uniform in
+`--random-window-s` seconds, by default in one step's duration as measured in the earlier runs (a
+fixed window let a fast CPU commit ten steps before the kill, and the later runs had nothing left
+to train). After each kill, before restarting, every checkpoint on disk is loaded
 (its safetensors and JSON files read back whole), and the next start must report:
 
 - the step it resumed at == the newest complete checkpoint (and no step that reported `done` lost);
@@ -18,7 +20,7 @@ A last run trains to `--steps` unkilled and the same checks run on its final sta
 printed is `{"kills", "resumes_ok", "corrupt", "lost_steps", ...}`.
 
 Usage: python bench/crash_resume.py [--kills 20] [--model tiny-random] [--steps N] [--root DIR] [--seed 0]
-       [--windows rollout,train,...] [--random-window-s 4]
+       [--windows rollout,train,...] [--random-window-s S]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,12 +55,15 @@ class Run:
     process: subprocess.Popen[str]
     events: list[dict[str, Any]] = field(default_factory=list)
     resumed: threading.Event = field(default_factory=threading.Event)
+    times: list[float] = field(default_factory=list)
+    """When each event arrived (time.monotonic), parallel to `events`."""
 
     def read(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
             if line.startswith("{"):
                 event = json.loads(line)
+                self.times.append(time.monotonic())
                 self.events.append(event)
                 if "resumed" in event:
                     self.resumed.set()
@@ -65,6 +71,17 @@ class Run:
 
     def done_steps(self) -> int:
         return max((e["step"] for e in self.events if e.get("phase") == "done"), default=0)
+
+    def step_seconds(self) -> list[float]:
+        """Each whole step this run took, from its rollout phase to its `done`."""
+        started: dict[int, float] = {}
+        seconds = []
+        for event, at in zip(self.events, self.times, strict=True):
+            if event.get("phase") == "rollout":
+                started.setdefault(event["step"], at)
+            elif event.get("phase") == "done" and event["step"] in started:
+                seconds.append(at - started[event["step"]])
+        return seconds
 
 
 def start(args: argparse.Namespace, crash_at: str | None) -> Run:
@@ -147,13 +164,15 @@ def resume_problems(folder: Path, resumed: dict[str, Any] | None, expected: int)
     return problems
 
 
-def kill_one(args: argparse.Namespace, window: str, rng: random.Random) -> Run:
-    """Start the script, have it killed in `window`, wait until it is gone."""
+def kill_one(args: argparse.Namespace, window: str, rng: random.Random, step_s: list[float]) -> Run:
+    """Start the script, have it killed in `window`, wait until it is gone. `step_s`: the step
+    durations measured so far (the random window's length when `--random-window-s` is 0)."""
     next_step = latest_step(model_dir(args.root)) + 1
     run = start(args, None if window == "random" else f"{window}:{next_step}")
     if window == "random":
         run.resumed.wait(RUN_TIMEOUT_S)
-        time.sleep(rng.uniform(0.0, args.random_window_s))
+        span = args.random_window_s or (statistics.median(step_s) if step_s else 2.0)
+        time.sleep(rng.uniform(0.0, span))
         if run.process.poll() is None:
             os.kill(run.process.pid, signal.SIGKILL)
     run.process.wait(RUN_TIMEOUT_S)
@@ -173,7 +192,12 @@ def main() -> None:
         "--root", type=Path, default=None, help="where the run is stored (default: a temp dir)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--random-window-s", type=float, default=4.0)
+    parser.add_argument(
+        "--random-window-s",
+        type=float,
+        default=0.0,
+        help="the random kill's window after the resume (default 0: one step, as measured)",
+    )
     parser.add_argument(
         "--windows", default=",".join(WINDOWS), help="windows to cycle through, comma-separated"
     )
@@ -187,17 +211,21 @@ def main() -> None:
     print(machine_header(), flush=True)
     print(f"run: {SCRIPT.name} --model {args.model} --steps {args.steps} under {args.root}", flush=True)
     folder = model_dir(args.root)
-    kills = resumes_ok = corrupt = lost = 0
+    kills = resumes_ok = corrupt = lost = missed = 0
+    step_s: list[float] = []
     done_before = 0
     by_window: dict[str, int] = {}
     for index in range(args.kills + 1):
         last = index == args.kills
         window = "" if last else windows[index % len(windows)]
         expected = latest_step(folder)
-        run = start(args, None) if last else kill_one(args, window, rng)
+        run = start(args, None) if last else kill_one(args, window, rng, step_s)
         if last:
             run.process.wait(RUN_TIMEOUT_S * 3)  # the last run trains the remaining steps
         killed = run.process.returncode == -signal.SIGKILL
+        step_s.extend(run.step_seconds())
+        if not last and not killed:
+            missed += 1
         resumed = next((e for e in run.events if "resumed" in e), None)
         problems = resume_problems(folder, resumed, expected) if index else []
         if resumed is not None and resumed["resumed"] < done_before:
@@ -221,6 +249,12 @@ def main() -> None:
     corrupt += bool(final_problems)
     if final_problems:
         print(f"final state PROBLEMS: {final_problems}")
+    if missed:
+        print(
+            f"warning: {missed} of {args.kills} runs ended before their kill window: raise --steps "
+            f"(now {args.steps}) so every run has a step left to be killed in",
+            flush=True,
+        )
     print(
         json.dumps(
             {
@@ -229,6 +263,7 @@ def main() -> None:
                 "corrupt": corrupt,
                 "lost_steps": lost,
                 "kills_by_window": by_window,
+                "runs_not_killed": missed,
                 "final_step": latest_step(folder),
                 "model": args.model,
             }
