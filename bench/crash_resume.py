@@ -57,6 +57,9 @@ class Run:
     resumed: threading.Event = field(default_factory=threading.Event)
     times: list[float] = field(default_factory=list)
     """When each event arrived (time.monotonic), parallel to `events`."""
+    resumed_at: float | None = None
+    ended_at: float | None = None
+    """When its output ended (it exited or was killed)."""
 
     def read(self) -> None:
         assert self.process.stdout is not None
@@ -66,16 +69,22 @@ class Run:
                 self.times.append(time.monotonic())
                 self.events.append(event)
                 if "resumed" in event:
+                    self.resumed_at = self.times[-1]
+                if "resumed" in event:
                     self.resumed.set()
+        self.ended_at = time.monotonic()
         self.resumed.set()
 
     def done_steps(self) -> int:
         return max((e["step"] for e in self.events if e.get("phase") == "done"), default=0)
 
-    def step_seconds(self) -> list[float]:
-        """Each whole step this run took, from its rollout phase to its `done`."""
+    def step_seconds(self, window: str) -> list[float]:
+        """Each whole step this run took, from its rollout phase to its `done`; for a run killed
+        just after its first commit (the `checkpoint` window), its time from resume to the kill."""
         started: dict[int, float] = {}
         seconds = []
+        if window == "checkpoint" and self.resumed_at is not None and self.ended_at is not None:
+            seconds.append(self.ended_at - self.resumed_at)
         for event, at in zip(self.events, self.times, strict=True):
             if event.get("phase") == "rollout":
                 started.setdefault(event["step"], at)
@@ -185,9 +194,7 @@ def main() -> None:
     )
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--model", default="tiny-random")
-    parser.add_argument(
-        "--steps", type=int, default=0, help="the run's target step (default: kills // 2 + 2)"
-    )
+    parser.add_argument("--steps", type=int, default=0, help="the run's target step (default: kills + 2)")
     parser.add_argument(
         "--root", type=Path, default=None, help="where the run is stored (default: a temp dir)"
     )
@@ -205,7 +212,7 @@ def main() -> None:
     windows = args.windows.split(",")
     if unknown := set(windows) - set(WINDOWS):
         parser.error(f"unknown windows {sorted(unknown)}; choose from {WINDOWS}")
-    args.steps = args.steps or args.kills // 2 + 2
+    args.steps = args.steps or args.kills + 2
     args.root = args.root or Path(tempfile.mkdtemp(prefix="crash-resume-"))
     rng = random.Random(args.seed)
     print(machine_header(), flush=True)
@@ -223,7 +230,9 @@ def main() -> None:
         if last:
             run.process.wait(RUN_TIMEOUT_S * 3)  # the last run trains the remaining steps
         killed = run.process.returncode == -signal.SIGKILL
-        step_s.extend(run.step_seconds())
+        run.process.wait()
+        time.sleep(0.05)  # the reader thread sees the end of the output
+        step_s.extend(run.step_seconds(window))
         if not last and not killed:
             missed += 1
         resumed = next((e for e in run.events if "resumed" in e), None)
