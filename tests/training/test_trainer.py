@@ -13,13 +13,12 @@ from peft import PeftModel
 from torch import nn
 
 from art_core.models.loading import LoadedModel
-from art_core.rollouts.groups import TrajectoryGroup
-from art_core.rollouts.records import Trajectory, Turn
-from art_core.training.batch import BatchTotals, PreparedBatch, collate, micro_batches, prepare_batch
+from art_core.training.batch import BatchTotals, PreparedBatch, collate, micro_batches
 from art_core.training.config import LoRAConfig, LossConfig, TrainConfig
 from art_core.training.lora import attach_lora
 from art_core.training.trainer import Trainer
 from tests.tolerances import assert_close_to_model, model_tolerance
+from tests.training.dist_train import make_batch as distributed_batch
 
 pytestmark = pytest.mark.isa  # float results depend on the CPU's kernels (see .ci/run)
 
@@ -46,24 +45,9 @@ def randomize_lora(trainer: Trainer, seed: int = 1) -> None:
 
 
 def make_batch(seed: int = 0, groups: int = 2, size: int = 4) -> PreparedBatch:
-    """Random prompts and completions of varied lengths, rewards alternating 1/0 in each group."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(10, 2000, (n,), generator=generator).tolist()
-
-    result = []
-    for _ in range(groups):
-        prompt = ids(6)
-        trajectories = []
-        for i in range(size):
-            completion = ids(3 + 2 * i)
-            turn = Turn(
-                prompt_ids=prompt, completion_ids=completion, logprobs=[float("nan")] * len(completion)
-            )
-            trajectories.append(Trajectory(turns=[turn], reward=float(i % 2)))
-        result.append(TrajectoryGroup(trajectories))
-    return prepare_batch(result, scale_rewards=True, max_context=2048)
+    """`dist_train.make_batch` (random prompts and completions, rewards alternating 1/0), two
+    groups by default."""
+    return distributed_batch(seed, groups, size)
 
 
 def lora_state(trainer: Trainer) -> dict[str, torch.Tensor]:
