@@ -47,20 +47,17 @@ from typing import Any
 
 from art_core.engine.config import EngineStats, GenerationRequest
 from art_core.engine.deltas import DeltaStream, RowDelta, token_stream
-from art_core.engine.errors import EngineClosedError, EngineOverloadedError
+from art_core.engine.errors import (
+    EngineClosedError,
+    EngineOverloadedError,
+    NoLiveReplicaError,
+    ReplicaDownError,
+)
 from art_core.engine.protocol import Completion, Engine
 from art_core.engine.revival import ReplicaFactory, ReviveConfig, revive
 from art_core.engine.routing import Memory, RoutingConfig, block_hashes, least_loaded
 
 logger = logging.getLogger(__name__)
-
-
-class ReplicaDownError(EngineClosedError):
-    """The replica serving a request died after it had streamed tokens, so it could not be retried."""
-
-
-class NoLiveReplicaError(EngineClosedError):
-    """Every replica is down (or the replicated engine was closed)."""
 
 
 @dataclass(frozen=True)

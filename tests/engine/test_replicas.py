@@ -320,9 +320,10 @@ def test_over_http_a_replicas_death_mid_stream_is_an_sse_error_event(pair: Repli
             **body, max_tokens=40, stream=True, extra_body={"ignore_eos": True}
         )
         chunks = []
-        with pytest.raises(openai.APIError, match="died while streaming"):
+        with pytest.raises(openai.APIError, match="died while streaming") as raised:
             for chunk in stream:
                 chunks.append(chunk)
+        assert raised.value.code == "replica_down"  # the server is up: send the request again
         assert chunks and all(c.choices[0].finish_reason is None for c in chunks)  # no clean end
         for hook in hooks:
             hook.remove()
