@@ -347,7 +347,7 @@ class ReplicatedEngine:
 
     def _each(self, what: str, call: Callable[[Engine], Any]) -> list[Any]:
         """`call(engine)` on every live replica, in order; replicas that turn out dead are marked
-        down. Call it holding `_control`."""
+        down. Whatever changes the replicas (publishing, pausing) calls it holding `_control`."""
         results = []
         for index in self.live():
             engine = self._replicas[index].engine
@@ -379,8 +379,7 @@ class ReplicatedEngine:
 
     def adapters(self) -> list[str]:
         """The adapters every live replica has loaded ([] while none is live)."""
-        with self._control:
-            names = self._each("list adapters", lambda e: e.adapters())
+        names = self._each("list adapters", lambda e: e.adapters())
         if not names:
             return []
         common = set.intersection(*(set(n) for n in names))
