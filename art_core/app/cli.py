@@ -312,7 +312,7 @@ def serve(
             show_default=False,
             help="Per model (torch engine): TorchEngine replicas, each on its own copy of the weights; a "
             "rollout stays on one, new ones go to the least-loaded, each step's LoRA reaches all before any "
-            "serves it (docs/distributed.md). Default 1. With --engine vllm use --vllm-option "
+            "serves it, one that dies is rebuilt (docs/distributed.md). Default 1. With --engine vllm use --vllm-option "
             "data_parallel_size=N.",
         ),
     ] = None,

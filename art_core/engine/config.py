@@ -136,3 +136,9 @@ class EngineStats:
     """Prompt tokens looked up in the prefix cache (the served adapter's distinct prompts)."""
     cached_prompt_tokens: int = 0
     """Of those, the tokens the prefix cache held, which their prefill skipped."""
+    replicas_down: int = 0
+    """Several replicas (`engine.replicas`): replicas not serving now, being rebuilt or down for good."""
+    replica_restarts: int = 0
+    """Several replicas: times a dead replica was rebuilt and rejoined."""
+    replicas_lost: int = 0
+    """Several replicas: replicas down for good (no factory, or every rebuild failed)."""

@@ -25,6 +25,15 @@ class EngineClosedError(RuntimeError):
     """The engine was closed (or its worker died); it serves no more requests."""
 
 
+class ReplicaDownError(EngineClosedError):
+    """The replica serving a request (`engine.replicas`) died after it had streamed tokens, so it
+    could not be retried; the other replicas serve on."""
+
+
+class NoLiveReplicaError(EngineClosedError):
+    """Every replica is down (or the replicated engine was closed)."""
+
+
 class EngineOverloadedError(RuntimeError):
     """Admitting the request would put more than `EngineConfig.max_queued_rows` rows in the engine.
 

@@ -9,7 +9,7 @@ of any kind (TorchEngines, VLLMEngines), so the server and `ModelService` use it
   prompt's prefix decides: the prompt is hashed in blocks of `RoutingConfig.prefix_block_tokens`
   and a request whose leading blocks cover at least `prefix_match` of it goes where those blocks
   went last (an agent's next turn extends its previous prompt), unless that replica is more than
-  `balance_slack_rows` rows busier than the least-loaded one.
+  `balance_slack_rows` rows busier than the least-loaded one (`engine.routing`).
 - **New rollouts by load.** A key seen for the first time (or whose replica died) goes to the live
   replica with the fewest in-flight rows (a request counts its `n`); ties go round the replicas. A
   replica that refuses a request as full (`EngineOverloadedError`) has it tried on the others (the
@@ -21,65 +21,43 @@ of any kind (TorchEngines, VLLMEngines), so the server and `ModelService` use it
 - **A replica that dies** (it raises `EngineClosedError`, or it reports `closed`) is marked down:
   its requests that had produced nothing yet are retried on another replica, a stream that had
   already sent tokens fails with `ReplicaDownError`, new requests go to the others and the server
-  stays up. A down replica stays down; with none left requests fail with `NoLiveReplicaError`
-  (both are `EngineClosedError`s: HTTP 503).
+  stays up. With none left requests fail with `NoLiveReplicaError` (both are `EngineClosedError`s:
+  HTTP 503).
+- **Revival.** Given a `ReplicaFactory` (engine.revival) by whoever built the replicas, a dead
+  replica is rebuilt on a thread of its own, with backoff, up to `ReviveConfig.max_attempts`
+  times. The new engine rejoins only once nothing is paused (no step is training or being
+  published) and with publishing held off: the factory catches it up to the served step
+  (`catch_up`), the router loads every adapter published by name meanwhile, then it takes
+  requests. A replica whose rebuilds all fail stays down, logged as an error. `stats()` counts
+  `replicas_down`, `replica_restarts` and `replicas_lost`; `status()` shows each replica.
 
 Replicas run where their engines run: TorchEngines in this process each decode on their own worker
 thread (torch kernels release the GIL, the Python of the decoding loop does not), a VLLMEngine in
-its own engine-core process. Left out: building the replicas (`art_core.host.service`).
+its own engine-core process. Left out: building the replicas (`art_core.host.torch_replicas`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
-from collections import OrderedDict
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from art_core.engine.config import EngineStats, GenerationRequest
 from art_core.engine.deltas import DeltaStream, RowDelta, token_stream
-from art_core.engine.errors import EngineClosedError, EngineOverloadedError
+from art_core.engine.errors import (
+    EngineClosedError,
+    EngineOverloadedError,
+    NoLiveReplicaError,
+    ReplicaDownError,
+)
 from art_core.engine.protocol import Completion, Engine
+from art_core.engine.revival import ReplicaFactory, ReviveConfig, revive
+from art_core.engine.routing import Memory, RoutingConfig, block_hashes, least_loaded
 
 logger = logging.getLogger(__name__)
-
-
-class ReplicaDownError(EngineClosedError):
-    """The replica serving a request died after it had streamed tokens, so it could not be retried."""
-
-
-class NoLiveReplicaError(EngineClosedError):
-    """Every replica is down (or the replicated engine was closed)."""
-
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    """How `ReplicatedEngine` picks a replica for a request."""
-
-    prefix_block_tokens: int = 32
-    """Requests without an affinity key are matched by their prompt's leading blocks of this many tokens."""
-    prefix_match: float = 0.5
-    """...and follow the replica of an earlier prompt when the matching blocks cover at least this
-    fraction of their prompt (below it, a shared system prompt alone would send everyone to one replica)."""
-    balance_slack_rows: int = 8
-    """A prefix match is ignored when its replica has more than this many in-flight rows above the
-    least-loaded live one (affinity keys are always followed while their replica lives)."""
-    max_remembered: int = 65536
-    """Affinity keys and prompt blocks remembered (least recently used ones are forgotten first)."""
-
-    def __post_init__(self) -> None:
-        if self.prefix_block_tokens < 1:
-            raise ValueError(f"prefix_block_tokens must be >= 1, got {self.prefix_block_tokens}")
-        if not 0 < self.prefix_match <= 1:
-            raise ValueError(f"prefix_match must be in (0, 1], got {self.prefix_match}")
-        if self.balance_slack_rows < 0:
-            raise ValueError(f"balance_slack_rows must be >= 0, got {self.balance_slack_rows}")
-        if self.max_remembered < 1:
-            raise ValueError(f"max_remembered must be >= 1, got {self.max_remembered}")
 
 
 @dataclass(frozen=True)
@@ -89,13 +67,17 @@ class ReplicaStatus:
     index: int
     """Its position in the replica list."""
     alive: bool
-    """False once it was marked down (it stays down)."""
+    """False while it is down (being rebuilt, or for good)."""
     in_flight_rows: int
     """Rows of its requests not yet answered (a request counts its `n`)."""
     requests: int
     """Requests sent to it so far (retries included)."""
     down_reason: str | None = None
-    """Why it was marked down (None while alive)."""
+    """Why it was last marked down (None while alive)."""
+    reviving: bool = False
+    """Whether it is down and being rebuilt (`ReplicaFactory`)."""
+    restarts: int = 0
+    """Times it was rebuilt after dying."""
 
 
 @dataclass
@@ -105,78 +87,74 @@ class _Replica:
     in_flight: int = 0
     requests: int = 0
     down_reason: str | None = None
+    reviving: bool = False
+    restarts: int = 0
 
 
-@dataclass
-class _Memory:
-    """Least-recently-used map of affinity keys and prompt blocks to replica indices."""
-
-    limit: int
-    entries: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
-
-    def get(self, key: bytes) -> int | None:
-        index = self.entries.get(key)
-        if index is not None:
-            self.entries.move_to_end(key)
-        return index
-
-    def put(self, key: bytes, index: int) -> None:
-        self.entries[key] = index
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.limit:
-            self.entries.popitem(last=False)
+def summed(a: EngineStats, b: EngineStats) -> EngineStats:
+    """Two engines' counters added up (largest batch: the larger of the two)."""
+    values = {f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(EngineStats)}
+    values["max_batch_rows"] = max(a.max_batch_rows, b.max_batch_rows)
+    return EngineStats(**values)
 
 
-def block_hashes(prompt_ids: Sequence[int], block: int) -> list[bytes]:
-    """Chained digests of the prompt's whole leading blocks: entry i identifies tokens [0, (i+1)*block)."""
-    out: list[bytes] = []
-    digest = b""
-    for end in range(block, len(prompt_ids) + 1, block):
-        chunk = ",".join(map(str, prompt_ids[end - block : end])).encode()
-        digest = hashlib.blake2b(digest + chunk, digest_size=16).digest()
-        out.append(digest)
-    return out
+def _stats_of(engine: Engine) -> EngineStats:
+    stats = getattr(engine, "stats", None)
+    return stats() if stats is not None else EngineStats(0, 0, 0, 0)
 
 
-def least_loaded(loads: Sequence[int | None], start: int) -> int | None:
-    """The index with the smallest load (None entries are down), ties broken from `start` on; None if all are down."""
-    n = len(loads)
-    best: int | None = None
-    for offset in range(n):
-        i = (start + offset) % n
-        load = loads[i]
-        if load is not None and (best is None or load < loads[best]):  # type: ignore[operator]
-            best = i
-    return best
+def _close(engine: Engine) -> None:
+    try:
+        engine.close()
+    except Exception:  # one replica failing to close must not keep the others open
+        logger.exception("closing an inference replica failed")
 
 
 class ReplicatedEngine:
-    """N engines serving the same model, routed per request (see the module docstring)."""
+    """N engines serving the same model, routed per request (see the module docstring).
 
-    def __init__(self, replicas: Sequence[Engine], routing: RoutingConfig | None = None) -> None:
+    `factory`: rebuilds a replica that dies (None: it stays down); `revive`: how often and how soon.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[Engine],
+        routing: RoutingConfig | None = None,
+        *,
+        factory: ReplicaFactory | None = None,
+        revive: ReviveConfig | None = None,
+    ) -> None:
         if not replicas:
             raise ValueError("ReplicatedEngine needs at least one replica")
         self.routing = routing or RoutingConfig()
+        self.factory = factory
+        self.revive_config = revive or ReviveConfig()
         self._replicas = [_Replica(engine) for engine in replicas]
         self.max_context = min(int(r.max_context) for r in replicas)
-        self._keys = _Memory(self.routing.max_remembered)
-        self._blocks = _Memory(self.routing.max_remembered)
+        self._keys = Memory(self.routing.max_remembered)
+        self._blocks = Memory(self.routing.max_remembered)
         self._rotation = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # routing state; taken inside `_control`, never around it
+        self._control = threading.Condition(threading.RLock())  # publishing, pausing, rejoining
+        self._paused = False
+        self._published: dict[str, Path] = {}  # adapters loaded by name, replayed on a rebuilt replica
+        self._stop = threading.Event()
+        self._revivals: list[threading.Thread] = []
+        self._retired = EngineStats(0, 0, 0, 0)  # counters of the engines that rebuilt ones replaced
         self._closed = False
 
     # -- routing ---------------------------------------------------------------------------
 
     @property
     def replicas(self) -> list[Engine]:
-        """The engines, in order (down ones included)."""
+        """The engines, in order (down ones included; a rebuilt one replaces its predecessor)."""
         return [r.engine for r in self._replicas]
 
     def status(self) -> list[ReplicaStatus]:
-        """Every replica's liveness and load."""
+        """Every replica's liveness, load and restarts."""
         with self._lock:
             return [
-                ReplicaStatus(i, r.alive, r.in_flight, r.requests, r.down_reason)
+                ReplicaStatus(i, r.alive, r.in_flight, r.requests, r.down_reason, r.reviving, r.restarts)
                 for i, r in enumerate(self._replicas)
             ]
 
@@ -186,16 +164,24 @@ class ReplicatedEngine:
             return [i for i, r in enumerate(self._replicas) if r.alive]
 
     def mark_down(self, index: int, reason: str) -> None:
-        """Take replica `index` out of routing for good (its own requests fail or are retried)."""
+        """Take replica `index` out of routing (its own requests fail or are retried); with a
+        `factory` it is then rebuilt."""
+        self._mark_down(index, self._replicas[index].engine, reason)
+
+    def _mark_down(self, index: int, engine: Engine, reason: str) -> None:
         with self._lock:
             replica = self._replicas[index]
-            if not replica.alive:
-                return
-            replica.alive, replica.down_reason = False, reason
+            if not replica.alive or replica.engine is not engine:
+                return  # down already, or a late error of the engine a rebuilt one replaced
+            reviving = self.factory is not None and self.revive_config.max_attempts > 0 and not self._closed
+            replica.alive, replica.down_reason, replica.reviving = False, reason, reviving
             left = sum(r.alive for r in self._replicas)
-        logger.error("inference replica %d is down (%s); %d replica(s) left", index, reason, left)
+        then = "rebuilding it" if reviving else "it stays down"
+        logger.error("inference replica %d is down (%s); %d replica(s) left; %s", index, reason, left, then)
+        if reviving:
+            self._start_revival(index, engine)
 
-    def _dispatch(self, request: GenerationRequest, exclude: set[int]) -> int:
+    def _dispatch(self, request: GenerationRequest, exclude: set[int]) -> tuple[int, Engine]:
         """Choose a replica for `request`, count its rows there and remember the choice."""
         routing, rows = self.routing, request.params.n
         blocks = block_hashes(request.prompt_ids, routing.prefix_block_tokens)
@@ -220,7 +206,7 @@ class ReplicatedEngine:
                 self._keys.put(key, chosen)
             for digest in blocks:
                 self._blocks.put(digest, chosen)
-        return chosen
+            return chosen, replica.engine
 
     def _remembered(
         self, key: bytes | None, blocks: list[bytes], n_prompt: int, loads: list[int | None], spare: int
@@ -245,14 +231,13 @@ class ReplicatedEngine:
         with self._lock:
             self._replicas[index].in_flight -= request.params.n
 
-    def _died(self, index: int, exc: BaseException) -> bool:
-        """Whether `exc` from replica `index` means it is dead (then it is marked down)."""
-        engine = self._replicas[index].engine
+    def _died(self, index: int, engine: Engine, exc: BaseException) -> bool:
+        """Whether `exc` from replica `index`'s `engine` means it is dead (then it is marked down)."""
         if not isinstance(exc, EngineClosedError) and not getattr(engine, "closed", False):
             return False
         if self._closed:
             return False
-        self.mark_down(index, f"{type(exc).__name__}: {exc}")
+        self._mark_down(index, engine, f"{type(exc).__name__}: {exc}")
         return True
 
     # -- requests --------------------------------------------------------------------------
@@ -266,14 +251,14 @@ class ReplicatedEngine:
         or is full (`EngineOverloadedError` once every live replica refused it)."""
         tried: set[int] = set()
         while True:
-            index = self._dispatch(request, tried)
+            index, engine = self._dispatch(request, tried)
             try:
-                return await self._replicas[index].engine.generate(request)
+                return await engine.generate(request)
             except Exception as exc:
                 tried.add(index)
                 if self._full(exc, tried):
                     continue
-                if not self._died(index, exc):
+                if not self._died(index, engine, exc):
                     raise
                 logger.warning("retrying a request of dead replica %d on another replica", index)
             finally:
@@ -290,10 +275,10 @@ class ReplicatedEngine:
     async def _stream(self, request: GenerationRequest) -> AsyncGenerator[list[RowDelta], None]:
         tried: set[int] = set()
         while True:
-            index = self._dispatch(request, tried)
+            index, engine = self._dispatch(request, tried)
             sent = False
             try:
-                stream = token_stream(self._replicas[index].engine, request)
+                stream = token_stream(engine, request)
                 try:
                     async for deltas in stream:
                         sent = True
@@ -305,7 +290,7 @@ class ReplicatedEngine:
                 tried.add(index)
                 if not sent and self._full(exc, tried):
                     continue
-                if not self._died(index, exc):
+                if not self._died(index, engine, exc):
                     raise
                 if sent:
                     raise ReplicaDownError(
@@ -316,79 +301,131 @@ class ReplicatedEngine:
             finally:
                 self._done(index, request)
 
+    # -- revival (with a factory) ------------------------------------------------------------
+
+    def _start_revival(self, index: int, dead: Engine) -> None:
+        thread = threading.Thread(
+            target=self._revive, args=(index, dead), name=f"art-replica-{index}-revival", daemon=True
+        )
+        with self._lock:
+            self._revivals = [t for t in self._revivals if t.is_alive()] + [thread]
+        thread.start()
+
+    def _revive(self, index: int, dead: Engine) -> None:
+        """The revival thread: close the dead engine, then rebuild until one rejoins or attempts run out."""
+        factory = self.factory
+        assert factory is not None  # only started with one
+        _close(dead)
+        back = revive(
+            index, factory, self.revive_config, self._stop, lambda e: self._rejoin(index, e, factory)
+        )
+        if not back:
+            with self._lock:
+                self._replicas[index].reviving = False
+
+    def _rejoin(self, index: int, engine: Engine, factory: ReplicaFactory) -> None:
+        """Catch `engine` up and put it in replica `index`'s place, once nothing is paused and with
+        publishing held off, so that it serves the current step and no publish passes it by."""
+        with self._control:
+            while self._paused and not self._stop.is_set():
+                self._control.wait()
+            if self._stop.is_set():
+                raise NoLiveReplicaError("the replicated engine was closed")
+            factory.catch_up(index, engine)
+            for name, path in self._published.items():
+                if name not in engine.adapters():
+                    engine.add_adapter(name, path)
+            with self._lock:
+                if self._closed:
+                    raise NoLiveReplicaError("the replicated engine was closed")
+                replica = self._replicas[index]
+                self._retired = summed(self._retired, _stats_of(replica.engine))
+                replica.engine, replica.alive, replica.reviving = engine, True, False
+                replica.down_reason, replica.restarts = None, replica.restarts + 1
+
     # -- adapters and lifecycle: every live replica ------------------------------------------
 
-    def _each(self, what: str, call: Any) -> list[Any]:
-        """`call(engine)` on every live replica, in order; replicas that turn out dead are marked down."""
+    def _each(self, what: str, call: Callable[[Engine], Any]) -> list[Any]:
+        """`call(engine)` on every live replica, in order; replicas that turn out dead are marked
+        down. Whatever changes the replicas (publishing, pausing) calls it holding `_control`."""
         results = []
         for index in self.live():
             engine = self._replicas[index].engine
             if getattr(engine, "closed", False) and not self._closed:
-                self.mark_down(index, "its engine is closed")
+                self._mark_down(index, engine, "its engine is closed")
                 continue
             try:
-                results.append(call(self._replicas[index].engine))
+                results.append(call(engine))
             except Exception as exc:
-                if not self._died(index, exc):
+                if not self._died(index, engine, exc):
                     raise
-        if not self.live():
-            raise NoLiveReplicaError(f"no inference replica is left to {what}")
+        with self._lock:
+            if not any(r.alive or r.reviving for r in self._replicas):
+                raise NoLiveReplicaError(f"no inference replica is left to {what}")
         return results
 
     def add_adapter(self, name: str, path: Path) -> None:
-        """Load adapter `name` on every live replica; returns once all have it."""
-        self._each(f"load adapter {name!r}", lambda e: e.add_adapter(name, path))
+        """Load adapter `name` on every live replica; returns once all have it (a rebuilt replica
+        loads it before it rejoins)."""
+        with self._control:
+            self._each(f"load adapter {name!r}", lambda e: e.add_adapter(name, path))
+            self._published[name] = Path(path)
 
     def remove_adapter(self, name: str) -> None:
         """Unload adapter `name` from every live replica."""
-        self._each(f"remove adapter {name!r}", lambda e: e.remove_adapter(name))
+        with self._control:
+            self._each(f"remove adapter {name!r}", lambda e: e.remove_adapter(name))
+            self._published.pop(name, None)
 
     def adapters(self) -> list[str]:
-        """The adapters every live replica has loaded."""
+        """The adapters every live replica has loaded ([] while none is live)."""
         names = self._each("list adapters", lambda e: e.adapters())
+        if not names:
+            return []
         common = set.intersection(*(set(n) for n in names))
         return [n for n in names[0] if n in common]
 
     def pause(self) -> None:
-        """Pause every live replica (each waits for its running batch)."""
-        self._each("pause", lambda e: e.pause())
+        """Pause every live replica (each waits for its running batch); no rebuilt one rejoins until `resume()`."""
+        with self._control:
+            self._paused = True
+            self._each("pause", lambda e: e.pause())
 
     def resume(self) -> None:
         """Resume every live replica."""
-        self._each("resume", lambda e: e.resume())
+        with self._control:
+            try:
+                self._each("resume", lambda e: e.resume())
+            finally:
+                self._paused = False
+                self._control.notify_all()
 
     def stats(self) -> EngineStats:
-        """The replicas' counters summed (largest batch: the largest of any), for those that count."""
-        total = EngineStats(0, 0, 0, 0)
-        for replica in self._replicas:
-            stats = getattr(replica.engine, "stats", None)
-            if stats is None:
-                continue
-            s = stats()
-            total = replace(
-                total,
-                batches=total.batches + s.batches,
-                rows=total.rows + s.rows,
-                tokens=total.tokens + s.tokens,
-                max_batch_rows=max(total.max_batch_rows, s.max_batch_rows),
-                merges=total.merges + s.merges,
-                aborted=total.aborted + s.aborted,
-                joins=total.joins + s.joins,
-                joined_rows=total.joined_rows + s.joined_rows,
-                prompt_tokens=total.prompt_tokens + s.prompt_tokens,
-                cached_prompt_tokens=total.cached_prompt_tokens + s.cached_prompt_tokens,
-            )
-        return total
+        """The replicas' counters summed, those of replaced engines included (largest batch: the
+        largest of any), with the router's: replicas down now, restarts, replicas down for good."""
+        total = self._retired
+        for engine in self.replicas:
+            total = summed(total, _stats_of(engine))
+        with self._lock:
+            down = sum(not r.alive for r in self._replicas)
+            lost = sum(not r.alive and not r.reviving for r in self._replicas)
+            restarts = sum(r.restarts for r in self._replicas)
+        return replace(total, replicas_down=down, replica_restarts=restarts, replicas_lost=lost)
 
     def close(self) -> None:
-        """Close every replica (down ones too); later requests fail with NoLiveReplicaError."""
+        """Close every replica (down ones too) and stop rebuilding; later requests fail with NoLiveReplicaError."""
         with self._lock:
             self._closed = True
-        for replica in self._replicas:
-            try:
-                replica.engine.close()
-            except Exception:  # one replica failing to close must not keep the others open
-                logger.exception("closing an inference replica failed")
+            revivals = list(self._revivals)
+        self._stop.set()
+        with self._control:
+            self._control.notify_all()
+        for thread in revivals:
+            thread.join(timeout=30)
+            if thread.is_alive():
+                logger.warning("%s is still building a replica; it closes the replica when done", thread.name)
+        for engine in self.replicas:
+            _close(engine)
 
 
 __all__ = [
@@ -399,4 +436,5 @@ __all__ = [
     "RoutingConfig",
     "block_hashes",
     "least_loaded",
+    "summed",
 ]

@@ -11,7 +11,7 @@ the live adapter; older steps are loaded from disk on first use).
 Engines (`serving`, a `ServingConfig`: see `host.serving`). `TorchServing` (the default): TorchEngine
 generates from the very peft model being trained; with `replicas=N` N TorchEngines (that one and N-1
 on copies of the weights, `host.torch_replicas`) serve behind a `ReplicatedEngine`, each step's LoRA
-copied into every copy while all are paused. `VLLMServing`: VLLMEngine serves from its own copy of
+copied into every copy while all are paused; one that dies is rebuilt on its model. `VLLMServing`: VLLMEngine serves from its own copy of
 the base weights (its own process; the trainer's model moves to the GPU when there is one). After each train step the
 checkpoint is hot-loaded into it before requests resume (`VLLMAdapterRouter`): `name` is the
 newest step, `name@step` exactly that step's checkpoint. The pause around the train step puts
@@ -166,6 +166,7 @@ class ModelService:
                     serving.replicas,
                     serving.routing,
                     LIVE_ADAPTER,
+                    serving.revive,
                 )
                 hosted = HostedModel(spec, loaded, replicated, trainer, storage, step, copies=copies)
         else:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 
 from art_core.engine.config import EngineConfig
 from art_core.engine.replicas import RoutingConfig
+from art_core.engine.revival import ReviveConfig
 from art_core.engine.vllm.config import VLLMEngineConfig
 
 
@@ -69,11 +70,13 @@ class TorchServing(ServingConfig):
     """TorchEngines serving the model (`art serve --replicas N`). 1: the trainer's own model serves.
     N > 1: that one and N-1 more, each on its own copy of the weights (memory: N serving copies) with
     its own decoding thread, behind a `ReplicatedEngine` (`engine.replicas`: a rollout stays on one
-    replica, new ones go to the least-loaded, a replica that dies is routed around). After each train
+    replica, new ones go to the least-loaded, a replica that dies is routed around and rebuilt). After each train
     step the new LoRA is copied into every replica before any serves again. The replicas share this
     process's cores: give each `cores / N` torch threads; see docs/distributed.md."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     """How requests are spread over the replicas (`RoutingConfig`); unused with one replica."""
+    revive: ReviveConfig = field(default_factory=ReviveConfig)
+    """How a replica that dies is rebuilt (`ReviveConfig`: attempts, backoff); unused with one replica."""
 
     def __post_init__(self) -> None:
         _check_type(
@@ -87,6 +90,10 @@ class TorchServing(ServingConfig):
         if not isinstance(self.routing, RoutingConfig):
             raise TypeError(
                 f"TorchServing.routing must be RoutingConfig(...), got {type(self.routing).__name__}"
+            )
+        if not isinstance(self.revive, ReviveConfig):
+            raise TypeError(
+                f"TorchServing.revive must be ReviveConfig(...), got {type(self.revive).__name__}"
             )
 
 

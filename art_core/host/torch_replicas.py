@@ -1,11 +1,18 @@
-"""More TorchEngine replicas for one hosted model (`TorchServing(replicas=N)`): their models and publishing.
+"""More TorchEngine replicas for one hosted model (`TorchServing(replicas=N)`): their models,
+publishing, and rebuilding one that dies.
 
 Replica 0 is the TorchEngine on the trainer's own peft model (what one replica is). Replicas 1..N-1
 each load the base weights again, attach the same LoRA under the trainer's adapter name and copy
 its weights in (`LoraCopies`); all N sit behind one `ReplicatedEngine`. After a train step, while
-every replica is paused, `LoraCopies.publish()` copies the trained LoRA into each copy; `resume()`
-then re-merges every replica's serving copy before its next batch, so no replica serves the old
-step once the new one serves anywhere. Left out: routing (`art_core.engine.replicas`).
+every replica is paused, `LoraCopies.publish()` copies the trained LoRA into each copy (down ones
+included); `resume()` then re-merges every replica's serving copy before its next batch, so no
+replica serves the old step once the new one serves anywhere.
+
+A replica that dies is rebuilt by `TorchReplicaFactory`: a new TorchEngine on the same model (the
+weights are not loaded again). Before it takes requests (`catch_up`, which the router runs while
+nothing is paused) the adapters its predecessor loaded by name are dropped from the model (the
+router loads the published ones again), a copy gets the trainer's live LoRA copied in, and the
+serving copy is re-merged. Left out: routing and when revival runs (`art_core.engine.replicas`).
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ from typing import Any
 import torch
 
 from art_core.engine.config import EngineConfig
+from art_core.engine.protocol import Engine
 from art_core.engine.replicas import ReplicatedEngine, RoutingConfig
+from art_core.engine.revival import ReviveConfig
+from art_core.engine.torch.adapters import modes_kept
 from art_core.engine.torch.engine import TorchEngine
 from art_core.host.records import ModelSpec
 from art_core.models.loading import load_model
@@ -60,6 +70,53 @@ class LoraCopies:
         """Copy the trainer's adapter into every copy; call it with every replica paused."""
         return sum(copy_adapter_weights(self.source, copy, self.adapter) for copy in self.copies)
 
+    def model(self, replica: int) -> Any:
+        """Replica `replica`'s model: the trainer's for 0, else its copy."""
+        return self.source if replica == 0 else self.copies[replica - 1]
+
+    def sync(self, replica: int) -> None:
+        """Copy the trainer's adapter into replica `replica`'s copy (nothing to do for 0)."""
+        if replica > 0:
+            copy_adapter_weights(self.source, self.copies[replica - 1], self.adapter)
+
+
+def drop_adapters(model: Any, keep: frozenset[str]) -> list[str]:
+    """Delete peft `model`'s adapters other than `keep` (those a dead engine loaded); returns their names."""
+    dropped = [name for name in list(model.peft_config) if name not in keep]
+    with modes_kept(model):
+        for name in dropped:
+            model.delete_adapter(name)
+    return dropped
+
+
+@dataclass
+class TorchReplicaFactory:
+    """Rebuilds a dead replica as a new TorchEngine on its model (`ReplicaFactory`, engine.revival)."""
+
+    copies: LoraCopies
+    """The replicas' models and the trainer's LoRA they follow."""
+    tokenizer: Any
+    """The tokenizer every replica shares."""
+    config: EngineConfig
+    """The replicas' engine settings."""
+    keep: frozenset[str]
+    """The adapters the models had when served (the trainer's own); others a dead engine loaded."""
+
+    def build(self, index: int) -> Engine:
+        """A new TorchEngine on replica `index`'s model (reads it only: a step may be training)."""
+        return TorchEngine(self.copies.model(index), self.tokenizer, self.config)
+
+    def catch_up(self, index: int, engine: Engine) -> None:
+        """Drop its predecessor's named adapters, copy the live LoRA in, re-merge before serving."""
+        dropped = drop_adapters(self.copies.model(index), self.keep)
+        if dropped:
+            logger.info(
+                "replica %d: dropped adapters %s of its dead engine (they are loaded again)", index, dropped
+            )
+        self.copies.sync(index)
+        if isinstance(engine, TorchEngine):
+            engine.weights_updated()
+
 
 def torch_replicas(
     spec: ModelSpec,
@@ -69,8 +126,10 @@ def torch_replicas(
     replicas: int,
     routing: RoutingConfig,
     adapter: str,
+    revive: ReviveConfig | None = None,
 ) -> tuple[ReplicatedEngine, LoraCopies]:
-    """`replicas` TorchEngines on `peft_model` and `replicas - 1` copies of it, behind one router."""
+    """`replicas` TorchEngines on `peft_model` and `replicas - 1` copies of it, behind one router
+    that rebuilds a dead one (`revive`)."""
     engines = [TorchEngine(peft_model, tokenizer, config)]
     copies: list[Any] = []
     try:
@@ -86,4 +145,6 @@ def torch_replicas(
             engine.close()
         raise
     logger.info("%s: %d TorchEngine replicas", spec.name, replicas)
-    return ReplicatedEngine(engines, routing), LoraCopies(peft_model, copies, adapter)
+    lora = LoraCopies(peft_model, copies, adapter)
+    factory = TorchReplicaFactory(lora, tokenizer, config, frozenset(peft_model.peft_config))
+    return ReplicatedEngine(engines, routing, factory=factory, revive=revive), lora

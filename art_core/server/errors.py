@@ -4,8 +4,8 @@
 FastAPI's validation errors, Starlette's HTTP errors and unexpected exceptions into that shape.
 `http_error` is the one exception-to-status ladder, for the OpenAI routes (`engine_error`, what an
 engine raises) and the training routes of `host.routes` alike: a prompt that does not fit 400, an
-unknown model or adapter 404, a full engine 429 and a closed one 503 (both with `Retry-After`),
-anything else 500.
+unknown model or adapter 404, a full engine 429 and a closed one, or a replica that died under a
+stream, 503 (both with `Retry-After`), anything else 500.
 `JSONResponse` writes text that is not valid Unicode as `\\u` escapes instead of failing.
 """
 
@@ -26,6 +26,7 @@ from art_core.engine.errors import (
     EngineClosedError,
     EngineOverloadedError,
     InvalidRequestError,
+    ReplicaDownError,
     UnknownAdapterError,
 )
 from art_core.models.loading import ModelNotFoundError
@@ -103,7 +104,8 @@ def http_error(
     """The HTTP error (OpenAI shape) for an exception raised while serving a request: the one ladder.
 
     A prompt that does not fit 400; an unknown model or adapter 404; an unknown base model 400; a full
-    engine 429 and a closed one 503 (both with `Retry-After`); an invalid request 400; with
+    engine 429 and a closed one (or a replica that died under a stream: `replica_down`) 503 (both with
+    `Retry-After`); an invalid request 400; with
     `bad_values_are_400` (the training routes: configs and rewards are checked by raising ValueError)
     any ValueError 400; anything else 500, logged as `doing` failing.
     """
@@ -122,6 +124,14 @@ def http_error(
             type="rate_limit_exceeded",
             code="rate_limit_exceeded",
             headers={"Retry-After": str(exc.retry_after_s)},
+        )
+    if isinstance(exc, ReplicaDownError):  # one replica of several: the server is up, send it again
+        return APIError(
+            503,
+            str(exc),
+            type="server_error",
+            code="replica_down",
+            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
         )
     if isinstance(exc, EngineClosedError):
         return APIError(

@@ -3,17 +3,23 @@ tiny model, and `TorchServing(replicas=2)` behind the real HTTP server.
 
 Stickiness by rollout and by prompt prefix, new rollouts spread by load, an adapter published to
 every replica before a request can name it, a train step's LoRA reaching both replicas before
-either serves again, and a replica that dies: its queued request retried on the other one, the
-server answering on.
+either serves again, and a replica that dies: its queued request retried on the other one, a
+stream that had sent tokens failing with ReplicaDownError (an SSE error event over HTTP), the
+server answering on, and the replica rebuilt: it serves the current step, a step or an adapter
+published while it was being rebuilt included, and it is left down, logged, when it cannot be.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -21,22 +27,29 @@ from art_core.backends import LocalBackend
 from art_core.engine.config import EngineConfig, GenerationRequest
 from art_core.engine.deltas import token_stream
 from art_core.engine.errors import EngineClosedError, EngineOverloadedError
+from art_core.engine.protocol import Engine
 from art_core.engine.replicas import (
     NoLiveReplicaError,
+    ReplicaDownError,
     ReplicatedEngine,
     RoutingConfig,
     block_hashes,
     least_loaded,
 )
+from art_core.engine.revival import ReplicaFactory, ReviveConfig, backoff_delays
 from art_core.engine.sampling import SamplingParams
 from art_core.engine.torch.engine import TorchEngine
-from art_core.host.service import LIVE_ADAPTER, ModelService
+from art_core.host.service import LIVE_ADAPTER, HostedModel, ModelService
 from art_core.host.serving import TorchServing
 from art_core.model import TrainableModel
 from art_core.models.loading import load_model
+from art_core.server.app import create_app, serve_in_thread
+from art_core.server.router import ServedModel, StaticRouter
 from tests.host.test_exact_resume import CONFIG, SPEC, groups
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+FAST = ReviveConfig(backoff_s=0.05, max_backoff_s=0.05)
+"""Rebuild a dead replica at once (the default waits a second first)."""
 
 
 @pytest.fixture
@@ -79,6 +92,10 @@ def test_routing_math() -> None:
         RoutingConfig(prefix_match=0)
     with pytest.raises(ValueError, match="replicas"):
         TorchServing(replicas=0)
+    assert backoff_delays(ReviveConfig(max_attempts=4, backoff_s=1, max_backoff_s=3)) == [1, 2, 3, 3]
+    assert backoff_delays(ReviveConfig(max_attempts=0)) == []
+    with pytest.raises(ValueError, match="max_backoff_s"):
+        ReviveConfig(backoff_s=2, max_backoff_s=1)
 
 
 async def test_a_rollout_stays_on_one_replica_and_new_ones_spread_by_load(pair: ReplicatedEngine) -> None:
@@ -228,7 +245,7 @@ async def test_a_train_step_reaches_every_replica_before_either_serves(tmp_path:
 
 
 async def test_the_server_keeps_serving_when_a_replica_dies(tmp_path: Path) -> None:
-    backend = LocalBackend(tmp_path, serving=TorchServing(replicas=2))
+    backend = LocalBackend(tmp_path, serving=TorchServing(replicas=2, revive=FAST))
     model = TrainableModel(project="replicas", name="agent", base_model="tiny-random")
     await model.register(backend)
     try:
@@ -249,6 +266,189 @@ async def test_the_server_keeps_serving_when_a_replica_dies(tmp_path: Path) -> N
             responses = await asyncio.gather(*[chat(r) for r in ("a", "b", "c", "d")])
             assert [r.status_code for r in responses] == [200] * 4
             status = replicated.status()
-            assert not status[0].alive and status[1].alive
+            assert status[1].alive and (not status[0].alive or status[0].restarts == 1)  # or back already
+            # It is rebuilt (on the trainer's model: replica 0) and takes new rollouts again.
+            await until(lambda: replicated.status()[0].alive)
+            responses = await asyncio.gather(*[chat(r) for r in ("e", "f", "g", "h")])
+            assert [r.status_code for r in responses] == [200] * 4
+            assert replicated.status()[0].restarts == 1 and replicated.status()[0].requests > 0
     finally:
         await backend.close()
+
+
+def die_at_forward(engine: TorchEngine, forward: int) -> Any:
+    """Make `engine` die in the middle of decoding: at its model's `forward`-th pass the output head
+    closes the engine and raises, as a worker lost mid-batch. Returns the hook's handle."""
+    calls = 0
+
+    def hook(*_: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == forward:
+            engine.close()  # from the worker itself: it stops after this batch, which fails
+            raise RuntimeError("replica lost mid-batch")
+
+    return engine.model.lm_head.register_forward_pre_hook(hook)
+
+
+async def test_a_stream_that_sent_tokens_fails_when_its_replica_dies(pair: ReplicatedEngine) -> None:
+    handles = [die_at_forward(e, 5) for e in pair.replicas]  # type: ignore[arg-type]
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    seen = []
+    try:
+        with pytest.raises(ReplicaDownError, match="died while streaming") as down:
+            async for deltas in token_stream(pair, GenerationRequest([5, 6, 7], long, affinity="s")):
+                seen.append(deltas)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen and isinstance(down.value, EngineClosedError)  # sent tokens are not resent elsewhere
+    status = pair.status()
+    assert [s.alive for s in status].count(False) == 1 and pair.stats().replicas_down == 1
+    (completion,) = await pair.generate(request([5, 6, 7], "s"))  # the rollout goes on elsewhere
+    assert completion.token_ids
+
+
+def test_over_http_a_replicas_death_mid_stream_is_an_sse_error_event(pair: ReplicatedEngine) -> None:
+    tokenizer = load_model("tiny-random").tokenizer
+    handle = serve_in_thread(create_app(StaticRouter({"tiny": ServedModel(pair, tokenizer, None, 512)})))
+    client = openai.OpenAI(base_url=handle.url + "/v1", api_key="unused", max_retries=0)
+    body: Any = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.0}
+    hooks = [die_at_forward(e, 5) for e in pair.replicas]  # type: ignore[arg-type]
+    try:
+        stream = client.chat.completions.create(
+            **body, max_tokens=40, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = []
+        with pytest.raises(openai.APIError, match="died while streaming") as raised:
+            for chunk in stream:
+                chunks.append(chunk)
+        assert raised.value.code == "replica_down"  # the server is up: send the request again
+        assert chunks and all(c.choices[0].finish_reason is None for c in chunks)  # no clean end
+        for hook in hooks:
+            hook.remove()
+        assert client.chat.completions.create(**body, max_tokens=3).choices[0].message is not None
+    finally:
+        for hook in hooks:
+            hook.remove()
+        handle.stop()
+
+
+def live_lora(model: Any) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if f".{LIVE_ADAPTER}." in n}
+
+
+def assert_replicas_agree(hosted: HostedModel, outputs: list[Any]) -> None:
+    """The copy's LoRA is the trainer's, and both replicas sample the same tokens with the same logprobs."""
+    assert hosted.copies is not None
+    trained = live_lora(hosted.trainer.model)
+    for name, param in live_lora(hosted.copies.copies[0]).items():
+        assert torch.equal(param, trained[name]), name
+    assert outputs[0].token_ids == outputs[1].token_ids
+    assert outputs[0].logprobs == pytest.approx(outputs[1].logprobs, abs=1e-6)
+
+
+async def greedy_on_each(replicated: ReplicatedEngine, adapter: str = LIVE_ADAPTER) -> list[Any]:
+    prompt = GenerationRequest([5, 6, 7, 8], GREEDY, adapter)
+    return [(await e.generate(prompt))[0] for e in replicated.replicas]
+
+
+async def test_a_killed_replica_comes_back_serving_the_current_step(tmp_path: Path) -> None:
+    service = ModelService(tmp_path, TorchServing(replicas=2, revive=FAST))
+    try:
+        hosted = service.register(SPEC)
+        replicated = hosted.engine
+        assert isinstance(replicated, ReplicatedEngine)
+        dead = replicated.replicas[1]
+        step0 = live_lora(hosted.trainer.model)
+        dead.close()  # replica 1 dies idle; the train step's pause notices, its rebuild waits for resume
+        assert (await service.train(SPEC.name, groups(1), CONFIG)).trained
+        await until(lambda: replicated.status()[1].alive)
+        assert replicated.replicas[1] is not dead and replicated.status()[1].restarts == 1
+        assert_replicas_agree(hosted, await greedy_on_each(replicated))
+        assert any(not torch.equal(step0[n], p) for n, p in live_lora(hosted.copies.copies[0]).items())  # type: ignore[union-attr]
+        # The next step is published to it as to any replica.
+        assert (await service.train(SPEC.name, groups(1), CONFIG)).trained
+        assert_replicas_agree(hosted, await greedy_on_each(replicated))
+        stats = replicated.stats()
+        assert (stats.replicas_down, stats.replica_restarts, stats.replicas_lost) == (0, 1, 0)
+    finally:
+        service.close()
+
+
+class GatedBuilds:
+    """A real factory whose builds wait for `gate`, so that a test can publish while one is under way."""
+
+    def __init__(self, inner: ReplicaFactory) -> None:
+        self.inner = inner
+        self.gate, self.building, self.built = threading.Event(), threading.Event(), threading.Event()
+
+    def build(self, index: int) -> Engine:
+        self.building.set()
+        assert self.gate.wait(120), "the test never opened the gate"
+        engine = self.inner.build(index)
+        self.built.set()
+        return engine
+
+    def catch_up(self, index: int, engine: Engine) -> None:
+        self.inner.catch_up(index, engine)
+
+
+async def test_a_publish_during_a_rebuild_reaches_the_rebuilt_replica(tmp_path: Path) -> None:
+    service = ModelService(tmp_path, TorchServing(replicas=2, revive=FAST))
+    try:
+        hosted = service.register(SPEC)
+        replicated = hosted.engine
+        assert isinstance(replicated, ReplicatedEngine) and replicated.factory is not None
+        gated = GatedBuilds(replicated.factory)
+        replicated.factory = gated
+        replicated.replicas[1].close()
+        replicated.adapters()  # notices the dead replica: its rebuild starts and waits at the gate
+        await until(gated.building.is_set)
+        # While it is rebuilt: a train step publishes step 1, and an adapter is published by name.
+        assert (await service.train(SPEC.name, groups(1), CONFIG)).trained
+        replicated.add_adapter("step0", hosted.storage.checkpoint_dir(0))
+        # A rebuilt engine never joins while the replicas are paused (a step may be training).
+        replicated.pause()
+        gated.gate.set()
+        await until(gated.built.is_set)
+        await asyncio.sleep(0.3)
+        assert not replicated.status()[1].alive
+        replicated.resume()
+        await until(lambda: replicated.status()[1].alive)
+        assert "step0" in replicated.replicas[1].adapters()
+        assert_replicas_agree(hosted, await greedy_on_each(replicated))
+        assert_replicas_agree(hosted, await greedy_on_each(replicated, "step0"))
+        replicated.remove_adapter("step0")  # it is the rebuilt engine's to remove, as any replica's
+        assert "step0" not in replicated.replicas[1].adapters()
+    finally:
+        service.close()
+
+
+class NoRoom:
+    """A factory that can never build (no memory for another replica, say)."""
+
+    def build(self, index: int) -> Engine:
+        raise RuntimeError("no memory for another replica")
+
+    def catch_up(self, index: int, engine: Engine) -> None:
+        raise AssertionError("nothing was built")
+
+
+async def test_a_replica_that_cannot_be_rebuilt_stays_down_loudly(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="art_core.engine")
+    engines = [TorchEngine(m.model, m.tokenizer) for m in (load_model("tiny-random") for _ in range(2))]
+    revive = ReviveConfig(max_attempts=2, backoff_s=0.01, max_backoff_s=0.01)
+    pair = ReplicatedEngine(engines, factory=NoRoom(), revive=revive)
+    try:
+        engines[0].close()
+        (completion,) = await pair.generate(request([5, 6, 7]))  # sent to replica 0, retried on 1
+        assert completion.token_ids
+        await until(lambda: not pair.status()[0].reviving)
+        stats = pair.stats()
+        assert (stats.replicas_down, stats.replicas_lost, stats.replica_restarts) == (1, 1, 0)
+        assert caplog.text.count("rebuilding inference replica 0 failed") == 2
+        assert any(r.levelno == logging.ERROR and "stays down" in r.getMessage() for r in caplog.records)
+        assert (await pair.generate(request([5, 6, 7])))[0].token_ids  # replica 1 serves on
+    finally:
+        pair.close()
