@@ -67,8 +67,8 @@ class RunConfig:
     """Attempts per generated scenario in the solvability filter (0: skip it)."""
     steps: int = 5
     """Training steps in all (a resumed run continues up to this step). The defaults (5 steps of
-    2 x 4 rollouts, 2 validation rollouts per scenario) are sized for SmolLM2-135M on a 2-core CPU
-    in about 15 minutes (docs/benchmarks.md)."""
+    2 x 4 rollouts, 2 validation rollouts per scenario) are sized for SmolLM2-135M on a 2-core CPU:
+    under 5 minutes on a quiet one, within 15 on a shared one (docs/benchmarks.md)."""
     groups_per_step: int = 2
     """Scenarios per step."""
     group_size: int = 4
