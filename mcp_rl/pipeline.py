@@ -68,7 +68,7 @@ class RunConfig:
     steps: int = 5
     """Training steps in all (a resumed run continues up to this step). The defaults (5 steps of
     2 x 4 rollouts, 2 validation rollouts per scenario) are sized for SmolLM2-135M on a 2-core CPU:
-    under 5 minutes on a quiet one, within 15 on a shared one (docs/benchmarks.md)."""
+    4:45 on a quiet one, 23-33 minutes on one shared with 4-5 other jobs (docs/benchmarks.md)."""
     groups_per_step: int = 2
     """Scenarios per step."""
     group_size: int = 4
