@@ -49,6 +49,7 @@ from art_core.host.records import (
     model_name,
 )
 from art_core.rollouts.groups import TrajectoryGroup
+from art_core.storage import StorageFullError
 from art_core.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,12 @@ class RemoteRequestTooLargeError(RemoteError):
     trajectories per `train` call, or raise the server's limit."""
 
 
+class RemoteStorageFullError(RemoteError, StorageFullError):
+    """507: the server's disk filled while it committed the step. The step was not committed, the
+    server rolled back to its previous checkpoint, and a retry trains the step again once there is
+    room. It is a `StorageFullError` too, so one `except` serves a local and a remote backend."""
+
+
 class RemoteUnavailableError(RemoteError, ConnectionError):
     """No HTTP answer: the server is unreachable or the connection broke (`status` is 0)."""
 
@@ -101,6 +108,7 @@ _BY_STATUS: dict[int, type[RemoteError]] = {
     401: RemoteAuthenticationError,
     404: RemoteNotFoundError,
     413: RemoteRequestTooLargeError,
+    507: RemoteStorageFullError,
 }
 
 
@@ -351,6 +359,7 @@ __all__ = [
     "RemoteError",
     "RemoteNotFoundError",
     "RemoteRequestTooLargeError",
+    "RemoteStorageFullError",
     "RemoteUnavailableError",
     "encode_train_request",
     "normalize_base_url",

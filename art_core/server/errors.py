@@ -31,6 +31,7 @@ from art_core.engine.errors import (
 )
 from art_core.models.loading import ModelNotFoundError
 from art_core.server.router import UnknownModelError
+from art_core.storage import StorageFullError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -105,7 +106,7 @@ def http_error(
 
     A prompt that does not fit 400; an unknown model or adapter 404; an unknown base model 400; a full
     engine 429 and a closed one (or a replica that died under a stream: `replica_down`) 503 (both with
-    `Retry-After`); an invalid request 400; with
+    `Retry-After`); a step that found its disk full 507 (`storage_full`); an invalid request 400; with
     `bad_values_are_400` (the training routes: configs and rewards are checked by raising ValueError)
     any ValueError 400; anything else 500, logged as `doing` failing.
     """
@@ -141,6 +142,8 @@ def http_error(
             code="service_unavailable",
             headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
         )
+    if isinstance(exc, StorageFullError):  # the step was not committed; the previous checkpoint is intact
+        return APIError(507, str(exc), type="server_error", code="storage_full")
     if isinstance(exc, InvalidRequestError) or (bad_values_are_400 and isinstance(exc, ValueError)):
         return APIError(400, str(exc))
     logger.error("%s failed", doing, exc_info=exc)

@@ -15,6 +15,7 @@ from art_core.host.routes import api_error
 from art_core.models.loading import ModelNotFoundError
 from art_core.server.errors import APIError, engine_error, http_error
 from art_core.server.router import UnknownModelError
+from art_core.storage import StorageFullError
 
 
 @pytest.mark.parametrize(
@@ -27,6 +28,7 @@ from art_core.server.router import UnknownModelError
         (EngineOverloadedError("full", retry_after_s=7), 429, "rate_limit_exceeded"),
         (EngineClosedError("closed"), 503, "service_unavailable"),
         (InvalidRequestError("bad"), 400, None),
+        (StorageFullError(28, "No space left on device: step 2 was not committed"), 507, "storage_full"),
         (RuntimeError("bug"), 500, None),
     ],
 )
