@@ -13,6 +13,7 @@ ART 0.5's names:
 | `train/ruler_errors`                  | groups RULER could not score (skipped: `train/groups_unscored`)|
 | `train/server_failures`               | rollouts whose MCP server failed (taken out by `split_failed`)|
 | `train/rollout_exceptions`            | failed rollouts (`train/groups_empty`: groups left with none) |
+| `train/rollouts_context_exceeded`     | of those, prompts that did not fit the context (a 400)        |
 | `data/step_num_groups_submitted`      | groups passed to `train`                                      |
 | `data/step_num_groups_trainable`      | groups with a reward spread (a training signal)               |
 | `data/step_num_trajectories`          | trajectories passed to `train`                                |

@@ -242,6 +242,9 @@ class ExceptionInfo(BaseModel):
     type: str
     message: str
     traceback: str
+    code: str | None = None
+    """The error's code where it has one (an OpenAI API error's `code`, e.g. "context_length_exceeded";
+    a LiteLLM `ContextWindowExceededError` counts as that too)."""
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> ExceptionInfo:
@@ -249,7 +252,21 @@ class ExceptionInfo(BaseModel):
             type=type(exc).__name__,
             message=str(exc),
             traceback="".join(traceback_module.format_exception(exc)),
+            code=_error_code(exc),
         )
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""The code of a request whose prompt did not fit the model's context (OpenAI's, and our server's)."""
+
+
+def _error_code(exc: BaseException) -> str | None:
+    code = getattr(exc, "code", None)
+    if isinstance(code, str) and code:
+        return code
+    if type(exc).__name__ in ("ContextWindowExceededError", "ContextLengthError"):
+        return CONTEXT_LENGTH_EXCEEDED
+    return None
 
 
 class MessagesAndChoices(MutableSequence[Any]):

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from art_core.rollouts.groups import TrajectoryGroup
+from art_core.rollouts.records import CONTEXT_LENGTH_EXCEEDED
 from art_core.training.advantages import group_advantages, mean_std
 from art_core.training.logprobs import IGNORE_INDEX
 from art_core.training.sequences import NoTrainableTokensError, TokenSequence, trajectory_sequences
@@ -104,6 +105,7 @@ _COUNTERS = (
     "trajectories_total",
     "trajectories_skipped_no_tokens",
     "rollout_exceptions",
+    "rollouts_context_exceeded",
     "sequences_total",
     "sequences_too_long",
     "examples_zero_advantage",
@@ -200,7 +202,11 @@ def prepare_batch(
         )
     tally = _Tally(counts=dict.fromkeys(_COUNTERS, 0.0))
     tally.counts.update(groups_total=float(len(groups)), trajectories_total=float(n_trajectories))
-    tally.counts["rollout_exceptions"] = float(sum(len(group.exceptions) for group in groups))
+    failures = [info for group in groups for info in group.exceptions]
+    tally.counts["rollout_exceptions"] = float(len(failures))
+    tally.counts["rollouts_context_exceeded"] = float(
+        sum(info.code == CONTEXT_LENGTH_EXCEEDED for info in failures)
+    )
     for gi, ti, reason in missing:
         tally.skip("trajectories_skipped_no_tokens", f"group {gi}, trajectory {ti} skipped: {reason}")
     examples: list[TrainingExample] = []

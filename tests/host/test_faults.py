@@ -277,8 +277,10 @@ async def test_a_prompt_past_the_context_is_a_400_and_a_counted_failure(
         assert result.step == 1 and result.trained
         line = await _train_line(model, 1)
     assert line["train/exception_rate"] == pytest.approx(1 / 8) and line["train/rollout_exceptions"] == 1
+    assert line["train/rollouts_context_exceeded"] == 1
     (failure,) = gathered[1].exceptions
     assert failure.type == "BadRequestError" and "64-token context window" in failure.message
+    assert failure.code == "context_length_exceeded"
     assert _failures(caplog, "rollout 3 of group 1 failed: BadRequestError")
 
 
