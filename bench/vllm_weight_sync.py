@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from processes import thread_env  # bench/ is on sys.path when a bench script runs
+from processes import bind_cpus, thread_env  # bench/ is on sys.path when a bench script runs
 from serve_common import LORA_ALPHA, LORA_B_STD, LORA_R, LORA_SEED, MODEL, chat_prompts, dtype_of
 
 SIDES = ("lora", "merged", "ours")
@@ -185,6 +185,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="vllm-weight-sync-") as tmp:
         adapter_dir = make_adapter(Path(tmp))
         env = {**thread_env(args.threads), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        # vLLM's own default binds its worker to one core and keeps the other for its scheduler; on a
+        # shared 2-core machine that one core is then shared with everything else (see serve_vllm.py)
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind_cpus(args.threads))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, args.kv_gib))))
         for side in sides:
             argv = [sys.executable, __file__, "--side", side, "--adapter-dir", str(adapter_dir)]
