@@ -133,7 +133,7 @@ class ModelService:
     def _load(self, spec: ModelSpec) -> HostedModel:
         started = time.perf_counter()
         serving = self.serving
-        if isinstance(serving, VLLMServing):
+        if isinstance(serving, VLLMServing) and serving.vllm.serves_lora:
             _check_lora_rank(spec, serving.vllm)
         loaded = load_model(spec.base_model, trust_remote_code=spec.trust_remote_code)
         if isinstance(serving, VLLMServing):
@@ -229,7 +229,10 @@ class ModelService:
         engine = VLLMEngine(loaded.path, tokenizer=loaded.tokenizer, config=config)
         try:
             adapters = VLLMAdapterRouter(
-                engine, spec.name, lambda s: storage.checkpoint_dir(s) if s in storage.steps() else None
+                engine,
+                spec.name,
+                lambda s: storage.checkpoint_dir(s) if s in storage.steps() else None,
+                merged=config.weight_sync == "merged",
             )
             adapters.publish(step, storage.checkpoint_dir(step))
         except BaseException:

@@ -107,7 +107,8 @@ class VLLMServing(ServingConfig):
     engine: ClassVar[Literal["vllm"]] = "vllm"
     vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
     """How VLLMEngine is built; the defaults sleep while training and skip CUDA graphs where CUDA is
-    unavailable. It must serve LoRA (`enable_lora=True`): the service publishes trained adapters."""
+    unavailable. It must serve LoRA (`enable_lora=True`) with `weight_sync="lora"` (the default: each
+    step hot-loaded as an adapter); `weight_sync="merged"` merges each step into the weights instead."""
     trainer_device: str | None = None
     """Where the trainer's model lives: None = "cuda" when available, else "cpu"."""
 
@@ -118,9 +119,10 @@ class VLLMServing(ServingConfig):
             VLLMEngineConfig,
             (EngineConfig, "EngineConfig configures TorchEngine: use TorchServing(engine_config=...) for it"),
         )
-        if not self.vllm.enable_lora:
+        if self.vllm.weight_sync == "lora" and not self.vllm.enable_lora:
             raise ValueError(
-                "the service serves trained LoRA adapters: VLLMEngineConfig needs enable_lora=True"
+                "the service serves trained LoRA adapters: VLLMEngineConfig needs enable_lora=True, "
+                "or weight_sync='merged' (each step merged into the served weights)"
             )
         if self.trainer_device is not None and not isinstance(self.trainer_device, str):
             raise TypeError(

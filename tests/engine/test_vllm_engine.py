@@ -348,6 +348,122 @@ async def test_close_fails_later_requests(engine: VLLMEngine, prompts: list[list
         engine.pause()
 
 
+# -- merged weights (weight_sync="merged") --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def merged_engine(smol: LoadedModel) -> Iterator[VLLMEngine]:
+    """A second engine, built without LoRA: each load merges an adapter into its weights."""
+    config = VLLMEngineConfig(
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        kv_cache_gib=1,
+        sleep_mode=False,
+        weight_sync="merged",
+    )
+    eng = VLLMEngine(smol.path, tokenizer=smol.tokenizer, config=config)
+    yield eng
+    eng.close()
+
+
+async def test_merged_weights_give_the_adapters_outputs_and_a_second_load_replaces_the_first(
+    merged_engine: VLLMEngine, adapters: tuple[Any, dict[str, Path]], prompts: list[list[int]]
+) -> None:
+    """After load_merged(a) vLLM answers as HF with adapter a (greedy ids, fp32 logprobs); after
+    load_merged(b) as adapter b, not a + b; loading a again gives a's answers exactly; the prefix
+    cache (the same prompts each time) never serves the previous weights' KV."""
+    peft_model, dirs = adapters
+    base = [await one(merged_engine, p) for p in prompts]  # before any load: the base model
+    for prompt, completion in list(zip(prompts, base, strict=True))[:2]:
+        assert_matches_hf(peft_model, prompt, completion, None)
+    results: dict[str, list[Completion]] = {}
+    for step, name in enumerate(("a", "b", "a"), start=1):
+        started = time.perf_counter()
+        report = merged_engine.load_merged(dirs[name], ["m", f"m@{step}"])
+        print(f"\nload_merged({name}): {time.perf_counter() - started:.2f}s, worker {report}")
+        assert report["tensors"] == 7 * 30  # q k v o gate up down in each of the 30 layers
+        assert merged_engine.adapters() == sorted(["m", f"m@{step}"])
+        completions = list(await asyncio.gather(*(one(merged_engine, p, adapter="m") for p in prompts)))
+        if name in results:  # the second load of a: exactly a's answers again
+            assert [c.token_ids for c in completions] == [c.token_ids for c in results[name]]
+            for again, first in zip(completions, results[name], strict=True):
+                assert again.logprobs == pytest.approx(first.logprobs, abs=FP32_TOLERANCE)
+        results[name] = completions
+        for prompt, completion in zip(prompts, completions, strict=True):
+            assert_matches_hf(peft_model, prompt, completion, name)
+            greedy = hf_logprobs(peft_model, prompt, completion.token_ids, name).argmax(-1)
+            assert greedy.tolist() == completion.token_ids
+        assert (await one(merged_engine, prompts[0], adapter=f"m@{step}")).token_ids == completions[
+            0
+        ].token_ids
+        assert (await one(merged_engine, prompts[0])).token_ids == completions[
+            0
+        ].token_ids  # no name: the same
+        with pytest.raises(UnknownAdapterError, match="weight_sync='merged'"):
+            await one(merged_engine, prompts[0], adapter=f"m@{step - 1}")  # an older step is gone
+    for name in ("a", "b"):
+        assert [c.token_ids for c in results[name]] != [c.token_ids for c in base]
+    assert [c.token_ids for c in results["a"]] != [c.token_ids for c in results["b"]]
+    with pytest.raises(InvalidRequestError, match="weight_sync='merged'"):
+        merged_engine.add_adapter("x", dirs["a"])
+
+
+async def test_merged_load_waits_for_running_requests_and_holds_new_ones(
+    merged_engine: VLLMEngine, adapters: tuple[Any, dict[str, Path]], prompts: list[list[int]]
+) -> None:
+    """A request running when load_merged is called finishes on the old weights; one sent during the
+    load waits and runs on the new ones (paused or not, nothing sees half-loaded layers)."""
+    _, dirs = adapters
+    merged_engine.load_merged(dirs["a"], ["w"])
+    as_a = await one(
+        merged_engine, prompts[2], SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=())
+    )
+    merged_engine.load_merged(dirs["b"], ["w"])
+    as_b = await one(
+        merged_engine, prompts[2], SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=())
+    )
+    merged_engine.load_merged(dirs["a"], ["w"])
+    long_params = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=())
+    running = asyncio.create_task(one(merged_engine, prompts[2], long_params, adapter="w"))
+    await asyncio.sleep(0.3)
+    assert not running.done()
+    load = asyncio.create_task(asyncio.to_thread(merged_engine.load_merged, dirs["b"], ["w"]))
+    await asyncio.sleep(0.1)
+    waiting = asyncio.create_task(one(merged_engine, prompts[2], long_params, adapter="w"))
+    await asyncio.wait_for(load, timeout=120)
+    assert (await running).token_ids == as_a.token_ids
+    assert (await waiting).token_ids == as_b.token_ids
+    assert as_a.token_ids != as_b.token_ids
+    merged_engine.pause()  # loading while paused: applied at once (no sleep on CPU), served after resume
+    merged_engine.load_merged(dirs["a"], ["w"])
+    held = asyncio.create_task(one(merged_engine, prompts[2], long_params, adapter="w"))
+    done, _ = await asyncio.wait([held], timeout=1.0)
+    assert not done, "a request ran while the engine was paused"
+    merged_engine.resume()
+    assert (await asyncio.wait_for(held, timeout=120)).token_ids == as_a.token_ids
+
+
+async def test_merged_router_serves_the_newest_step_only(
+    merged_engine: VLLMEngine, adapters: tuple[Any, dict[str, Path]], prompts: list[list[int]]
+) -> None:
+    _, dirs = adapters
+    router = VLLMAdapterRouter(merged_engine, "agent", lambda step: dirs["a"], merged=True)
+    router.publish(1, dirs["a"])
+    assert router.resolve("agent") == "agent" and router.resolve("agent@1") == "agent@1"
+    step1 = await one(merged_engine, prompts[0], adapter=router.resolve("agent@1"))
+    router.publish(2, dirs["b"])
+    assert router.resolve("agent@2") == "agent@2" and router.loaded_steps() == []
+    with pytest.raises(UnknownAdapterError, match="only its newest step 2"):
+        router.resolve("agent@1")  # a checkpoint exists, but merged mode holds one set of weights
+    with pytest.raises(UnknownAdapterError, match="weight_sync='merged'"):
+        await one(
+            merged_engine, prompts[0], adapter="agent@1"
+        )  # resolved before step 2: refused at admission
+    step2 = await one(merged_engine, prompts[0], adapter=router.resolve("agent"))
+    assert step2.token_ids != step1.token_ids or step2.logprobs != pytest.approx(step1.logprobs, abs=1e-3)
+
+
 def test_cpu_lora_fix_leaves_rows_without_an_adapter_untouched() -> None:
     """The patched torch LoRA op (vllm#48421): index -1 rows keep their values, others get their slot's delta."""
     pytest.importorskip("vllm")

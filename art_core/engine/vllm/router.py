@@ -32,10 +32,18 @@ class VLLMAdapterRouter:
 
     The engine must replace a same-named adapter on `add_adapter` (VLLMEngine does; TorchEngine
     refuses). Thread-safe.
+
+    With `merged=True` (VLLMEngineConfig(weight_sync="merged")) the engine holds one set of weights:
+    `publish(step, dir)` merges the checkpoint into them (`engine.load_merged`) under the names
+    `model` and `model@step`; `resolve` gives `model` and `model@<newest>`, and refuses an older step
+    with UnknownAdapterError (a request for `model@k` admitted after step k+1 was merged fails too).
     """
 
-    def __init__(self, engine: Any, model: str, checkpoint_dir: Callable[[int], Path | None]) -> None:
+    def __init__(
+        self, engine: Any, model: str, checkpoint_dir: Callable[[int], Path | None], *, merged: bool = False
+    ) -> None:
         self.engine, self.model, self._checkpoint_dir = engine, model, checkpoint_dir
+        self.merged = merged
         self._steps: dict[int, str] = {}  # step -> adapter `model@step`, loaded on request
         self._latest: int | None = None
         self._lock = threading.Lock()
@@ -50,7 +58,10 @@ class VLLMAdapterRouter:
         with self._lock:
             if self._latest is not None and step <= self._latest:
                 raise ValueError(f"step {step} is not newer than the published step {self._latest}")
-            self.engine.add_adapter(self.model, Path(path))
+            if self.merged:
+                self.engine.load_merged(Path(path), [self.model, served_name(self.model, step)])
+            else:
+                self.engine.add_adapter(self.model, Path(path))
             self._latest = step
             return self.model
 
@@ -67,6 +78,13 @@ class VLLMAdapterRouter:
                 raise UnknownAdapterError(f"{self.model!r} has no published step yet")
             if step is None:
                 return self.model
+            if self.merged:
+                if step != self._latest:
+                    raise UnknownAdapterError(
+                        f"{self.model!r} serves only its newest step {self._latest} (vLLM weight_sync='merged' "
+                        f"holds one set of weights); step {step} needs weight_sync='lora'"
+                    )
+                return served_name(self.model, step)
             name = self._steps.get(step)
             if name is None:
                 path = self._checkpoint_dir(step)
