@@ -11,7 +11,8 @@ fixed window let a fast CPU commit ten steps before the kill, and the later runs
 to train). After each kill, before restarting, every checkpoint on disk is loaded
 (its safetensors and JSON files read back whole), and the next start must report:
 
-- the step it resumed at == the newest complete checkpoint (and no step that reported `done` lost);
+- the step it resumed at == the newest complete checkpoint (and no step that reported `checkpoint`
+  lost; `done` comes first when the commit runs in the background, so a step can be lost after it);
 - `model.history()` with exactly one train line per step 1..s, and the trajectory files of 1..s,
   each parsed whole (none truncated);
 - no temporary file anywhere under the model's folder.
@@ -75,8 +76,9 @@ class Run:
         self.ended_at = time.monotonic()
         self.resumed.set()
 
-    def done_steps(self) -> int:
-        return max((e["step"] for e in self.events if e.get("phase") == "done"), default=0)
+    def committed_steps(self) -> int:
+        """The newest step this run reported on disk (`checkpoint`; `done` can come before it)."""
+        return max((e["step"] for e in self.events if e.get("phase") == "checkpoint"), default=0)
 
     def step_seconds(self, window: str) -> list[float]:
         """Each whole step this run took, from its rollout phase to its `done`; for a run killed
@@ -246,7 +248,7 @@ def main() -> None:
         if killed:
             kills += 1
             by_window[window] = by_window.get(window, 0) + 1
-        done_before = max(done_before, run.done_steps(), resumed["resumed"] if resumed else 0)
+        done_before = max(done_before, run.committed_steps(), resumed["resumed"] if resumed else 0)
         status = "killed" if killed else f"exit {run.process.returncode}"
         print(
             f"run {index:2d} window={window or 'none':12s} {status:8s} resumed at {resumed and resumed['resumed']}"

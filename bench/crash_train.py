@@ -9,8 +9,9 @@ step gathers two groups of three real rollouts through our server and the `opena
   after `register` (the model's view of its own run: `model.history()`'s train steps, the train
   trajectory files, the names of temporary files left anywhere under the model's folder);
 - `{"phase": p, "step": s}` at each progress callback of `model.train` (`prepare`, `train`,
-  `checkpoint`, `done`) and `{"phase": "rollout", "step": s}` when a step's rollouts start;
-- `{"finished": s}` when the model reached step N.
+  `done`, then `checkpoint` once step s is on disk: the commit runs in the background, during the
+  next step's rollouts) and `{"phase": "rollout", "step": s}` when a step's rollouts start;
+- `{"finished": s}` when the model reached step N and the backend closed (all of it on disk).
 
 `ART_CRASH_AT=<window>:<step>` makes the script SIGKILL itself in one window of step `step`, to hit
 each window deliberately (the bench also kills it from outside at random moments):
@@ -66,6 +67,11 @@ def install_faults(plan: tuple[str, int] | None, current_step: list[int]) -> Non
     def armed() -> bool:
         return current_step[0] == at
 
+    # The commit runs in the background (TorchServing.overlap_checkpoint) while the next step's
+    # rollouts run, so the write windows tell their step from what is written, not `current_step`.
+    def writing(name: str) -> bool:
+        return name.startswith((f".tmp-{at:04d}-", f"{at:04d}."))
+
     import art_core.storage as storage
     from art_core.training.trainer import Trainer
 
@@ -83,7 +89,7 @@ def install_faults(plan: tuple[str, int] | None, current_step: list[int]) -> Non
 
         def save_state(self: Trainer, directory: Path) -> None:
             original_save(self, directory)
-            if armed():
+            if writing(Path(directory).name):
                 die()
 
         Trainer.save_state = save_state  # type: ignore[method-assign]
@@ -91,7 +97,7 @@ def install_faults(plan: tuple[str, int] | None, current_step: list[int]) -> Non
         original_write = storage.atomic_write_bytes
 
         def atomic_write_bytes(path: Path, data: bytes) -> None:
-            if armed() and Path(path).parent.name == "train":
+            if writing(Path(path).name) and Path(path).parent.name == "train":
                 temp = Path(path).parent / f".tmp-{Path(path).name}.crash"
                 temp.parent.mkdir(parents=True, exist_ok=True)  # as the real write does
                 temp.write_bytes(data[: len(data) // 2])
@@ -103,7 +109,7 @@ def install_faults(plan: tuple[str, int] | None, current_step: list[int]) -> Non
         original_append = storage.ModelStorage.append_history
 
         def append_history(self: storage.ModelStorage, record: dict[str, Any]) -> None:
-            if armed() and "trained" in record:
+            if record.get("step") == at and "trained" in record:
                 line = json.dumps(record).encode()
                 with open(self.history_path, "ab") as handle:
                     handle.write(line[: len(line) // 2])
@@ -151,8 +157,9 @@ async def run(args: argparse.Namespace) -> None:
             return Trajectory(messages_and_choices=[*messages, completion.choices[0]], reward=index / 2)
 
         def progress(phase: str, metrics: dict[str, float]) -> None:
-            emit({"phase": phase, "step": current[0]})
-            if phase == "checkpoint" and plan == ("checkpoint", current[0]):
+            step = int(metrics["step"]) if phase in ("checkpoint", "done") else current[0]
+            emit({"phase": phase, "step": step})  # `checkpoint` may come during the next step's rollouts
+            if phase == "checkpoint" and plan == ("checkpoint", step):
                 die()
 
         while step < args.steps:
@@ -163,7 +170,7 @@ async def run(args: argparse.Namespace) -> None:
             )
             result = await model.train(groups, config=TrainConfig(learning_rate=1e-3), on_progress=progress)
             step = result.step
-        emit({"finished": step})
+    emit({"finished": step})  # after close(): the last step's background commit is on disk
 
 
 def main() -> None:

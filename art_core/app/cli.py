@@ -53,7 +53,7 @@ def demo(
     from art_core.models.allocator import limit_arenas
 
     limit_arenas(DEMO_MALLOC_ARENAS)  # before the engine's and the server's threads allocate
-    from art_core.app.demo import DemoConfig, run_demo
+    from art_core.app.demo import DemoConfig, describe_split, run_demo
     from art_core.app.plotting import plot_reward_curve
 
     _quiet_logs()
@@ -88,6 +88,7 @@ def demo(
         f"{summary.last_reward:.2f} (last {min(5, summary.steps)}) in {summary.steps} steps, "
         f"{summary.seconds:.0f} s. Curve: {plot}; checkpoints: {path / 'demo' / 'models' / name}"
     )
+    console.print(describe_split(summary.step_seconds))
     if summary.start_step:
         console.print(
             f"[yellow]{name} resumed at step {summary.start_step}[/yellow] (its earlier run trained it); "

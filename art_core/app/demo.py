@@ -9,12 +9,15 @@ rarely at first, so a rising curve is learning, not luck.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from art_core.backends.local import LocalBackend
+from art_core.host.step_record import overlapped_checkpoint_seconds
 from art_core.model import TrainableModel
 from art_core.rollouts.dataset import iterate_dataset
 from art_core.rollouts.groups import TrajectoryGroup, gather_trajectory_groups
@@ -91,7 +94,7 @@ class DemoConfig:
 
 @dataclass(frozen=True)
 class DemoSummary:
-    """Mean reward of the first and last steps (up to 5 each), steps run and wall time."""
+    """Mean reward of the first and last steps (up to 5 each), steps run, wall time and its split."""
 
     first_reward: float
     last_reward: float
@@ -100,6 +103,45 @@ class DemoSummary:
     rewards: list[float]
     start_step: int = 0
     """The step the model was at before this run (> 0: it resumed an existing model)."""
+    step_seconds: dict[str, float] = field(default_factory=dict)
+    """Mean seconds per step of this run, from history.jsonl (`step_time_split`)."""
+
+
+SPLIT_PHASES = ("rollout", "train", "publish", "checkpoint", "checkpoint_wait", "step")
+"""The `time/<phase>_s` keys of a train line that `step_time_split` averages."""
+
+
+def step_time_split(history: Sequence[Mapping[str, Any]], after_step: int = 0) -> dict[str, float]:
+    """Mean seconds per step of the train lines past `after_step`: each of `SPLIT_PHASES` a line has
+    (`checkpoint_wait` only with the background commit), and `checkpoint_overlapped`: the part of a
+    step's checkpoint written during the next step's rollouts (`overlapped_checkpoint_seconds`)."""
+    lines = [h for h in history if "trained" in h and int(h["step"]) > after_step]
+    if not lines:
+        return {}
+    split = {
+        phase: statistics.fmean(float(h.get(f"time/{phase}_s", 0.0)) for h in lines)
+        for phase in SPLIT_PHASES
+        if any(f"time/{phase}_s" in h for h in lines)
+    }
+    if "checkpoint_wait" in split:
+        split["checkpoint_overlapped"] = overlapped_checkpoint_seconds(lines)[1] / len(lines)
+    return split
+
+
+def describe_split(split: Mapping[str, float]) -> str:
+    """One line: `per step: rollouts 4.2 s, train 3.5 s, ... checkpoint 1.2 s (1.1 s overlapped ...)`."""
+    if not split:
+        return "per step: no train step recorded"
+    names = {"rollout": "rollouts", "train": "train", "publish": "publish", "checkpoint": "checkpoint"}
+    parts = [f"{label} {split[key]:.2f} s" for key, label in names.items() if key in split]
+    if "checkpoint_overlapped" in split:
+        parts[-1] += (
+            f" ({split['checkpoint_overlapped']:.2f} s of it during the next rollouts; "
+            f"train waited {split.get('checkpoint_wait', 0.0):.2f} s for it)"
+        )
+    elif "checkpoint" in split:
+        parts[-1] += " (inside the train call)"
+    return f"per step: {', '.join(parts)}; train call {split.get('step', 0.0):.2f} s"
 
 
 StepCallback = Callable[[int, float, float], None]
@@ -141,6 +183,7 @@ async def run_demo(config: DemoConfig, on_step: StepCallback | None = None) -> D
             await model.train(groups, config=train_config)
             if on_step is not None:
                 on_step(len(rewards), rewards[-1], time.perf_counter() - started)
+        split = step_time_split(await model.history(), after_step=start_step)  # waits for the last commit
     finally:
         await backend.close()
     window = min(5, len(rewards))
@@ -151,4 +194,5 @@ async def run_demo(config: DemoConfig, on_step: StepCallback | None = None) -> D
         seconds=time.perf_counter() - started,
         rewards=rewards,
         start_step=start_step,
+        step_seconds=split,
     )

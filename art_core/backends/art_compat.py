@@ -43,7 +43,9 @@ class LocalTrainResult(TrainResult):
     """ART 0.5's result of `LocalBackend.train`: a `TrainResult` plus the step's checkpoint folder."""
 
     checkpoint_path: str | None = None
-    """The folder of the checkpoint this step wrote."""
+    """The folder of the checkpoint this step wrote; written in the background by default
+    (`TorchServing.overlap_checkpoint`): complete once the next `train`, `get_step`, `history` or
+    `close` returned."""
 
 
 def resolve_train_config(

@@ -137,22 +137,24 @@ class LocalBackend(ArtBackendMixin):
         result = await self.service.train(name, list(groups), resolved, on_progress)
         if config is None:
             log_result(result, verbose)
+        # With the background commit (the default) the checkpoint is complete once the next call
+        # that reads the model's disk state (train, get_step, history, close) returned.
         checkpoint = self.service.get(name).storage.checkpoint_dir(result.step)
-        return LocalTrainResult(
-            **result.model_dump(), checkpoint_path=str(checkpoint) if checkpoint.exists() else None
-        )
+        return LocalTrainResult(**result.model_dump(), checkpoint_path=str(checkpoint))
 
     async def get_step(self, model: ModelRef) -> int:
-        return self.service.get(model_name(model)).step
+        """The newest committed step (waits for a commit in flight)."""
+        return (await asyncio.to_thread(self.service.committed, model_name(model))).step
 
     async def list_checkpoints(self, model: ModelRef) -> list[int]:
-        return self.service.get(model_name(model)).storage.steps()
+        return (await asyncio.to_thread(self.service.committed, model_name(model))).storage.steps()
 
     async def delete_checkpoints(self, model: ModelRef, keep: Iterable[int]) -> list[int]:
         return self.service.delete_checkpoints(model_name(model), keep)
 
     async def history(self, model: ModelRef) -> list[dict[str, float]]:
-        return self.service.get(model_name(model)).storage.read_history()
+        hosted = await asyncio.to_thread(self.service.committed, model_name(model))
+        return hosted.storage.read_history()
 
     def record_logged(
         self,

@@ -99,7 +99,11 @@ class TrainResult(BaseModel):
 
 
 ProgressCallback = Callable[[str, dict[str, float]], None]
-"""Called with a phase name (`prepare`, `train`, `checkpoint`, `done`) and metrics so far."""
+"""Called with a phase name (`prepare`, `train`, `checkpoint`, `done`) and metrics so far.
+
+`checkpoint` (`{"step": n}`) says step n is on disk. With the background commit
+(`TorchServing.overlap_checkpoint`, in-process calls) it comes after `done`, from the commit's
+thread, once the write finished (possibly after `train` returned); otherwise before `done`."""
 
 
 __all__ = [

@@ -192,7 +192,11 @@ class TrainStream:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
         self._started = time.monotonic()
-        self.task = asyncio.create_task(service.train(name, groups, config, self._on_progress, request_key))
+        self.task = asyncio.create_task(
+            service.train(
+                name, groups, config, self._on_progress, request_key, background_commit=False
+            )  # a remote client outlives a crash of this server: it is answered committed steps only
+        )
         TrainStream._running.add(self.task)
         self.task.add_done_callback(self._finished)
 
@@ -277,12 +281,12 @@ def training_router(service: ModelService) -> APIRouter:
     @router.get("/{name}/step")
     async def step(name: str) -> StepResponse:
         _check_registered(service, name)
-        return StepResponse(step=service.get(name).step)
+        return StepResponse(step=(await asyncio.to_thread(service.committed, name)).step)
 
     @router.get("/{name}/checkpoints")
     async def checkpoints(name: str) -> CheckpointsResponse:
         _check_registered(service, name)
-        return CheckpointsResponse(steps=service.get(name).storage.steps())
+        return CheckpointsResponse(steps=(await asyncio.to_thread(service.committed, name)).storage.steps())
 
     @router.delete("/{name}/checkpoints")
     async def delete_checkpoints(name: str, keep: list[int] = Query(default=[])) -> DeletedResponse:  # noqa: B008
@@ -297,7 +301,7 @@ def training_router(service: ModelService) -> APIRouter:
     async def history(name: str) -> HistoryResponse:
         _check_registered(service, name)
         try:
-            records = await asyncio.to_thread(service.get(name).storage.read_history)
+            records = (await asyncio.to_thread(service.committed, name)).storage.read_history()
         except Exception as exc:
             raise api_error(exc) from exc
         return HistoryResponse(history=records)

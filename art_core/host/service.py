@@ -36,6 +36,7 @@ from art_core.engine.protocol import Engine
 from art_core.engine.torch.engine import TorchEngine
 from art_core.engine.vllm.config import VLLMEngineConfig, require_vllm
 from art_core.engine.vllm.router import VLLMAdapterRouter
+from art_core.host.commits import BackgroundCommit
 from art_core.host.records import ModelSpec, ProgressCallback, TrainResult
 from art_core.host.serving import ServingConfig, TorchServing, VLLMServing
 from art_core.host.sinks import ObserveConfig, SinkRunner, StepRecord, build_sinks
@@ -52,7 +53,7 @@ from art_core.storage import (
     served_name,
     validate_name,
 )
-from art_core.training.batch import prepare_batch
+from art_core.training.batch import PreparedBatch, prepare_batch
 from art_core.training.config import TrainConfig
 from art_core.training.lora import attach_lora
 from art_core.training.trainer import Trainer
@@ -82,6 +83,11 @@ class HostedModel:
     """Where each step goes after history.jsonl (W&B, Langfuse; see `host.sinks`)."""
     copies: LoraCopies | None = None
     """TorchServing(replicas=N > 1): the other replicas' models, whose LoRA each step publishes to."""
+    commits: BackgroundCommit = field(init=False)
+    """The step commit in flight, if any (`TorchServing.overlap_checkpoint`; see `host.commits`)."""
+
+    def __post_init__(self) -> None:
+        self.commits = BackgroundCommit(self.spec.name)
 
 
 class ModelService:
@@ -125,6 +131,7 @@ class ModelService:
                         f"model {spec.name!r} is already registered with a different spec "
                         f"({hosted.spec.model_dump()}); use another name or the same settings"
                     )
+                hosted.commits.wait()  # its step is then the disk's
                 return hosted
             hosted = self._load(spec)
             self._models[spec.name] = hosted
@@ -305,17 +312,32 @@ class ModelService:
         config: TrainConfig,
         on_progress: ProgressCallback | None = None,
         request_key: str | None = None,
+        *,
+        background_commit: bool = True,
     ) -> TrainResult:
         """Train one step on `groups` in a worker thread; inference waits meanwhile.
 
         `request_key` makes the call idempotent: if the newest step was committed by a request with
         the same key (a client retrying after a lost connection or a server restart), its result is
         answered again and nothing trains.
+
+        With TorchServing's `overlap_checkpoint` (the default) and `background_commit`, the step's
+        commit is handed to the model's `BackgroundCommit` and the result returns as soon as the new
+        LoRA serves: `hosted.step` is the new step from then on (it is what serves and trains next)
+        and goes back to the step before if the commit fails, which the next `train` (or `close`)
+        raises, after the rollback. False (the train route): return after the commit.
         """
         hosted = self.get(name)
         return await asyncio.to_thread(
-            self._train_sync, hosted, list(groups), config, on_progress, request_key
+            self._train_sync, hosted, list(groups), config, on_progress, request_key, background_commit
         )
+
+    def committed(self, name: str) -> HostedModel:
+        """The model named `name` once no commit of it is in flight (`step`, `storage` are then the
+        disk's); a failed commit is left for the next train or close to raise."""
+        hosted = self.get(name)
+        hosted.commits.wait()
+        return hosted
 
     def _train_sync(
         self,
@@ -324,9 +346,11 @@ class ModelService:
         config: TrainConfig,
         on_progress: ProgressCallback | None,
         request_key: str | None = None,
+        background_commit: bool = False,
     ) -> TrainResult:
         notify = on_progress or (lambda phase, metrics: None)
         with hosted.train_lock:
+            waited = hosted.commits.settle()  # the previous step's commit: done, or its error raised
             if request_key is not None and hosted.storage.request_key(hosted.step) == request_key:
                 return _replayed(hosted)
             started, step = time.perf_counter(), hosted.step + 1
@@ -352,7 +376,7 @@ class ModelService:
                         hosted.copies.publish()
                 if hosted.adapters is not None:  # vLLM: load the new step before waiting requests resume
                     with timer("checkpoint"):
-                        self._commit(hosted, groups, record, request_key)
+                        self._commit(hosted, step, groups, record, request_key)
                     with timer("publish"):
                         hosted.adapters.publish(hosted.step, hosted.storage.checkpoint_dir(hosted.step))
             finally:
@@ -360,43 +384,79 @@ class ModelService:
                     hosted.engine.resume()
             trained = bool(metrics.get("trained", 0))
             notify("train", metrics)
-            warnings = list(prepared.warnings)
-            if metrics.get("optim_step_skipped"):
-                warnings.append("the optimizer step was skipped: the gradient norm was not finite")
-            if not trained:
-                warnings.insert(0, f"nothing trained: {untrained_reason(prepared.metrics, metrics)}")
-                logger.info("step %d %s", step, warnings[0])
-            if hosted.adapters is None:
+            warnings = _step_warnings(step, prepared, metrics)
+            overlap = background_commit and hosted.adapters is None and _overlaps(self.serving)
+            if hosted.adapters is None and not overlap:
                 with timer("checkpoint"):
-                    self._commit(hosted, groups, record, request_key)
-            notify("checkpoint", {"step": float(hosted.step)})
+                    self._commit(hosted, step, groups, record, request_key)
+            if not overlap:
+                notify("checkpoint", {"step": float(hosted.step)})
             seconds = {**rollout_s, **timer.seconds, "step": time.perf_counter() - started}
-            final = train_record(hosted.step, groups, prepared.metrics, metrics, seconds)
+            if overlap:
+                seconds["checkpoint_wait"] = waited
+            final = train_record(step, groups, prepared.metrics, metrics, seconds)
             final.update(hosted.sinks.error_metrics())
-            hosted.storage.append_history(final)
-            hosted.sinks.submit(
-                StepRecord(hosted.spec.project, hosted.spec.name, hosted.step, "train", final, groups)
-            )
+            if overlap:
+                hosted.step = step
+                hosted.commits.submit(
+                    step, lambda: self._commit_in_background(hosted, step, groups, final, request_key, notify)
+                )
+            else:
+                self._record(hosted, final, groups)
             notify("done", {k: float(v) for k, v in final.items()})
             return TrainResult(
-                step=hosted.step,
+                step=step,
                 trained=trained,
                 metrics={k: float(v) for k, v in final.items()},
                 warnings=warnings,
             )
 
+    def _commit_in_background(
+        self,
+        hosted: HostedModel,
+        step: int,
+        groups: list[TrajectoryGroup],
+        final: dict[str, Any],
+        request_key: str | None,
+        notify: ProgressCallback,
+    ) -> None:
+        """The commit of step `step` after `train` returned: `_commit` (rolled back on a failure), the
+        `checkpoint` progress phase, then the history line `final` with `time/checkpoint_s` added."""
+        started = time.perf_counter()
+        self._commit(
+            hosted, step, groups, lambda seconds: {**final, "time/checkpoint_s": seconds}, request_key
+        )
+        line = {**final, "time/checkpoint_s": time.perf_counter() - started}
+        try:
+            notify("checkpoint", {"step": float(step)})
+        except Exception as exc:  # the caller's callback, after its call returned: never the commit's fault
+            logger.warning(
+                "the progress callback raised at step %d's checkpoint (%s: %s)", step, type(exc).__name__, exc
+            )
+        self._record(hosted, line, groups)
+
+    @staticmethod
+    def _record(hosted: HostedModel, line: dict[str, Any], groups: list[TrajectoryGroup]) -> None:
+        """A committed step's history line: history.jsonl, then the sinks."""
+        hosted.storage.append_history(line)
+        hosted.sinks.submit(
+            StepRecord(hosted.spec.project, hosted.spec.name, int(line["step"]), "train", line, groups)
+        )
+
     @staticmethod
     def _commit(
         hosted: HostedModel,
+        step: int,
         groups: list[TrajectoryGroup],
         record: Callable[[float], dict[str, Any]],
         request_key: str | None,
     ) -> None:
-        """Commit step `hosted.step + 1` (`ModelStorage.commit_step`: trajectories, then the
-        checkpoint holding the history line `record(checkpoint_s)`); the step advances only then.
-        It advances on every step, trained or not, so that `get_step()` is also the data position a
-        resumed run continues from."""
-        step, started = hosted.step + 1, time.perf_counter()
+        """Commit step `step` (`ModelStorage.commit_step`: trajectories, then the checkpoint holding
+        the history line `record(checkpoint_s)`); `hosted.step` is `step` after it. It advances on
+        every step, trained or not, so that `get_step()` is also the data position a resumed run
+        continues from. On a failure the trainer goes back to checkpoint `step - 1`, and so does
+        `hosted.step` (a background commit set it to `step` beforehand)."""
+        started, previous = time.perf_counter(), step - 1
         try:
             hosted.storage.commit_step(
                 step,
@@ -408,14 +468,15 @@ class ModelService:
         except Exception as exc:
             # The trainer holds the uncommitted step's weights: back to the newest checkpoint, so that
             # what is served and trained next is what the disk says (a retry trains the step again).
+            hosted.step = previous
             name, why = hosted.spec.name, f"{type(exc).__name__}: {exc}"
             try:
-                hosted.trainer.load_state(hosted.storage.checkpoint_dir(hosted.step))
+                hosted.trainer.load_state(hosted.storage.checkpoint_dir(previous))
             except Exception as rollback:  # logged; the commit's error is the one that propagates
                 logger.error(
                     "step %d of %s was not committed (%s), and rolling back to checkpoint %d failed "
                     "(%s: %s): register the model again before training on",
-                    step, name, why, hosted.step, type(rollback).__name__, rollback,
+                    step, name, why, previous, type(rollback).__name__, rollback,
                 )  # fmt: skip
                 rolled_back = False
             else:
@@ -427,13 +488,13 @@ class ModelService:
                 step,
                 name,
                 why,
-                hosted.step,
+                previous,
             )
             raise
         hosted.step = step
 
     def delete_checkpoints(self, name: str, keep: Iterable[int]) -> list[int]:
-        hosted = self.get(name)
+        hosted = self.committed(name)
         keep_set = set(keep) | {hosted.step}
         if hosted.adapters is not None:
             for step in hosted.adapters.loaded_steps():
@@ -444,12 +505,20 @@ class ModelService:
         return hosted.storage.delete_checkpoints(keep_set)
 
     def close(self) -> None:
+        """Finish every commit in flight, close sinks and engines; then raise the first commit that failed."""
+        failed: list[Exception] = []
         for hosted in self._models.values():
+            try:
+                hosted.commits.settle()
+            except Exception as exc:  # logged when it happened; raised once everything is closed
+                failed.append(exc)
             hosted.sinks.close()
             hosted.engine.close()
         self._models.clear()
         if self.train_group is not None:
             self.train_group.close()
+        if failed:
+            raise failed[0]
 
 
 def _replayed(hosted: HostedModel) -> TrainResult:
@@ -465,6 +534,23 @@ def _replayed(hosted: HostedModel) -> TrainResult:
             "or a server restart); it was not trained again"
         ],
     )
+
+
+def _step_warnings(step: int, prepared: PreparedBatch, metrics: dict[str, float]) -> list[str]:
+    """What the result says about a step: the batch's warnings, a skipped optimizer step, and first
+    why nothing trained (also logged)."""
+    warnings = list(prepared.warnings)
+    if metrics.get("optim_step_skipped"):
+        warnings.append("the optimizer step was skipped: the gradient norm was not finite")
+    if not metrics.get("trained", 0):
+        warnings.insert(0, f"nothing trained: {untrained_reason(prepared.metrics, metrics)}")
+        logger.info("step %d %s", step, warnings[0])
+    return warnings
+
+
+def _overlaps(serving: TorchServing | VLLMServing) -> bool:
+    """Whether train steps commit in the background (`TorchServing.overlap_checkpoint`)."""
+    return isinstance(serving, TorchServing) and serving.overlap_checkpoint
 
 
 def untrained_reason(batch_metrics: dict[str, float], train_metrics: dict[str, float]) -> str:

@@ -77,6 +77,14 @@ class TorchServing(ServingConfig):
     """How requests are spread over the replicas (`RoutingConfig`); unused with one replica."""
     revive: ReviveConfig = field(default_factory=ReviveConfig)
     """How a replica that dies is rebuilt (`ReviveConfig`: attempts, backoff); unused with one replica."""
+    overlap_checkpoint: bool = True
+    """Write each step's checkpoint in the background: an in-process `train` (LocalBackend) returns
+    once the new LoRA serves, and the commit (trajectories, checkpoint, history line) runs while the
+    next rollouts do; the next `train`, `close` and the reads of steps and history wait for it, and
+    a failed commit is raised by the next `train` or `close` (`host.commits`). A step counts only
+    once its commit completed, so a crash in it resumes at the step before, one the caller was told
+    about. False: `train` returns after the commit. `art serve`'s train route always answers after
+    the commit (a remote client outlives a server crash), and vLLM loads the checkpoint from disk."""
 
     def __post_init__(self) -> None:
         _check_type(
@@ -87,6 +95,10 @@ class TorchServing(ServingConfig):
         )
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
             raise ValueError(f"TorchServing.replicas must be an int >= 1, got {self.replicas!r}")
+        if not isinstance(self.overlap_checkpoint, bool):
+            raise TypeError(
+                f"TorchServing.overlap_checkpoint must be a bool, got {self.overlap_checkpoint!r}"
+            )
         if not isinstance(self.routing, RoutingConfig):
             raise TypeError(
                 f"TorchServing.routing must be RoutingConfig(...), got {type(self.routing).__name__}"

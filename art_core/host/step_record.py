@@ -25,7 +25,17 @@ ART 0.5's names:
 | `time/rollout_s`                      | earliest trajectory start to the train call (rollouts and any |
 |                                       | scoring between them)                                         |
 | `time/train_s`, `time/publish_s`,     | forward/backward + optimizer; making the new weights served;  |
-| `time/checkpoint_s`, `time/step_s`    | writing the checkpoint; the whole `train` call                |
+| `time/checkpoint_s`, `time/step_s`    | the step's commit (trajectories + checkpoint); the whole      |
+|                                       | `train` call                                                  |
+| `time/checkpoint_wait_s`              | background commit only: how long this `train` call waited for |
+|                                       | the previous step's commit (the part of it not overlapped)    |
+
+With the background commit (`TorchServing.overlap_checkpoint`, the default for in-process calls)
+step n's `time/checkpoint_s` runs during step n+1's rollouts and is not in step n's `time/step_s`;
+step n+1's `time/checkpoint_wait_s` is the part of it that still held training up, so
+`checkpoint_s(n) - checkpoint_wait_s(n+1)` overlapped (`overlapped_checkpoint_seconds`). Without
+it (`art serve`'s route, vLLM, overlap off) the commit is inside `time/step_s` and there is no
+`time/checkpoint_wait_s`.
 """
 
 from __future__ import annotations
@@ -69,6 +79,21 @@ def rollout_seconds(groups: Sequence[TrajectoryGroup], now: float) -> dict[str, 
     return {"rollout": max(now - min(starts), 0.0)} if starts else {}
 
 
+def overlapped_checkpoint_seconds(history: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
+    """(checkpoint seconds, of them overlapped with the next step's rollouts) summed over the train
+    lines of `history` in order: a step's commit overlapped by its `time/checkpoint_s` less the
+    next line's `time/checkpoint_wait_s`. A step with no next wait (the last one, written during
+    `close`, or a synchronous commit) counts as not overlapped."""
+    lines = [h for h in history if "trained" in h and "time/checkpoint_s" in h]
+    total = sum(float(h["time/checkpoint_s"]) for h in lines)
+    overlapped = 0.0
+    for line, after in zip(lines, lines[1:], strict=False):
+        if "time/checkpoint_wait_s" in after:
+            seconds = float(line["time/checkpoint_s"])
+            overlapped += max(seconds - float(after["time/checkpoint_wait_s"]), 0.0)
+    return total, overlapped
+
+
 def train_record(
     step: int,
     groups: Sequence[TrajectoryGroup],
@@ -78,7 +103,8 @@ def train_record(
 ) -> dict[str, Any]:
     """One history line for a train step (see the module docstring for the keys).
 
-    `seconds` maps phases (`rollout`, `train`, `publish`, `checkpoint`, `step`) to wall time.
+    `seconds` maps phases (`rollout`, `train`, `publish`, `checkpoint`, `checkpoint_wait`, `step`)
+    to wall time.
     """
     trained = bool(train_metrics.get("trained", 0))
     record: dict[str, Any] = {"step": step, **split_metrics(groups, "train")}

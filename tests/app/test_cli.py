@@ -35,7 +35,13 @@ def test_art_demo_json_line_plot_and_resume(tmp_path: Path) -> None:
     first = runner.invoke(app, argv)
     assert first.exit_code == 0, first.output
     summary = json.loads(first.output.strip().splitlines()[-1])
-    assert set(summary) == {"first_reward", "last_reward", "steps", "seconds"} and summary["steps"] == 2
+    assert set(summary) == {"first_reward", "last_reward", "steps", "seconds", "step_seconds"}
+    assert summary["steps"] == 2
+    split = summary["step_seconds"]  # both steps' commits done: the last one's during close
+    assert {"rollout", "train", "publish", "checkpoint", "checkpoint_wait", "checkpoint_overlapped"} <= set(
+        split
+    )
+    assert 0 <= split["checkpoint_overlapped"] <= split["checkpoint"] and "per step: rollouts" in first.output
     assert (tmp_path / "curve.png").stat().st_size > 0 and "resumed" not in first.output
     second = runner.invoke(app, argv)  # the same name again: the model resumes at step 2
     assert second.exit_code == 0, second.output

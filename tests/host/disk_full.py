@@ -1,7 +1,8 @@
 """A checkpoint write that runs out of room, for `tests/host/test_faults.py`; run in-process or as a script.
 
 `python -m tests.host.disk_full ROOT MODE` trains the tiny model one step under ROOT, then takes
-the room away and trains a second step, then gives the room back, loads the run again in a new
+the room away and trains a second step (whose background commit fails: the train after it raises),
+then gives the room back, loads the run again in a new
 backend and trains the step again. It prints one JSON line with what it saw. MODE:
 - `fill`: ROOT is a small filesystem (a tmpfs the caller mounted); a filler file leaves less free
   space than a checkpoint needs, so the write fails with ENOSPC;
@@ -82,6 +83,10 @@ async def scenario(root: Path, mode: str) -> dict[str, Any]:
         groups = await _groups(model)
         filler = _take_room(root, storage.checkpoint_dir(1), mode)
         try:
+            # the commit runs in the background (TorchServing.overlap_checkpoint): step 2 returns, and
+            # the next train raises its failure (after the rollback) before training anything
+            second = await model.train(groups, TrainConfig(learning_rate=1e-2))
+            seen["returned_step"] = second.step
             await model.train(groups, TrainConfig(learning_rate=1e-2))
         except StorageFullError as exc:
             seen.update(error_type=type(exc).__name__, error=str(exc), errno=exc.errno)
@@ -102,7 +107,7 @@ async def scenario(root: Path, mode: str) -> dict[str, Any]:
         seen["step_on_reload"] = await model.get_step()
         retried = await model.train(await _groups(model), TrainConfig(learning_rate=1e-2))
         seen["retried_step"] = retried.step
-        seen["train_lines_at_end"] = [h["step"] for h in storage.read_history() if "trained" in h]
+        seen["train_lines_at_end"] = [h["step"] for h in await model.history() if "trained" in h]  # waits
     return seen
 
 

@@ -342,7 +342,7 @@ async def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_one(
     assert seen["error_type"] == "StorageFullError", seen
     assert f"{what} while writing {root / 'checkpoints' / '0002'}" in seen["error"]
     assert "step 2 was not committed" in seen["error"] and "checkpoint 1 is intact" in seen["error"]
-    assert seen["first_step"] == 1 and seen["step_after_error"] == 1
+    assert seen["first_step"] == 1 and seen["returned_step"] == 2 and seen["step_after_error"] == 1
     assert seen["checkpoints"] == [0, 1] and seen["leftovers"] == []
     assert seen["trajectory_files"] == ["0001.jsonl"] and seen["train_lines"] == [1]
     assert seen["served_after_error"] and seen["step_on_reload"] == 1
