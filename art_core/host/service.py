@@ -21,10 +21,11 @@ vLLM to sleep where sleep mode is on (GPU), so training has the GPU memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -471,7 +472,10 @@ class ModelService:
             hosted.step = previous
             name, why = hosted.spec.name, f"{type(exc).__name__}: {exc}"
             try:
-                hosted.trainer.load_state(hosted.storage.checkpoint_dir(previous))
+                with _paused(hosted.engine):  # no batch sees half of the rollback; replicas follow it
+                    hosted.trainer.load_state(hosted.storage.checkpoint_dir(previous))
+                    if hosted.copies is not None:
+                        hosted.copies.publish()
             except Exception as rollback:  # logged; the commit's error is the one that propagates
                 logger.error(
                     "step %d of %s was not committed (%s), and rolling back to checkpoint %d failed "
@@ -519,6 +523,16 @@ class ModelService:
             self.train_group.close()
         if failed:
             raise failed[0]
+
+
+@contextlib.contextmanager
+def _paused(engine: Engine) -> Iterator[None]:
+    """`engine` paused within the block (idempotent: the vLLM path's commit already runs paused)."""
+    engine.pause()
+    try:
+        yield
+    finally:
+        engine.resume()
 
 
 def _replayed(hosted: HostedModel) -> TrainResult:
