@@ -301,7 +301,13 @@ class FailingService(ModelService):
     """The real service with a step that reports progress, stays silent a while, then fails."""
 
     async def train(
-        self, name: str, groups: Any, config: TrainConfig, on_progress: Any = None, request_key: Any = None
+        self,
+        name: str,
+        groups: Any,
+        config: TrainConfig,
+        on_progress: Any = None,
+        request_key: Any = None,
+        **options: Any,
     ) -> Any:
         self.get(name)
 

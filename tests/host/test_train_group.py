@@ -61,7 +61,7 @@ def train(path: Path, procs: int, steps: range) -> tuple[dict[str, torch.Tensor]
     try:
         service.register(SPEC)
         results = [asyncio.run(service.train(SPEC.name, groups(step), CONFIG)) for step in steps]
-        hosted = service.get(SPEC.name)
+        hosted = service.committed(SPEC.name)  # the last step's commit runs in the background
         weights = load_file(str(hosted.storage.checkpoint_dir(hosted.step) / "adapter_model.safetensors"))
         return weights, results
     finally:
