@@ -224,7 +224,8 @@ class Model(BaseModel, Generic[ConfigT]):
         A metrics record already in history for that step (e.g. a train result) is not repeated.
         """
         validate_name(split, "split name")
-        step = await self.get_step() if step is None else step
+        current = await self.get_step()  # waits for a commit in flight: its history line is then there
+        step = current if step is None else step
         storage = self._log_storage()
         groups = None if trajectories is None else list(trajectories)
         if groups is not None and self._skip_train_split(split):

@@ -180,6 +180,7 @@ async def train_loop(
         record = await _one_step(model, batch.items, rollout, score, config)
         record["epoch"] = batch.epoch
         history.append(record)
+        await model.get_step()  # the step's commit is on disk before the run's history says it is done
         _append_line(state_dir / "history.jsonl", record)
         _write_json(
             state_dir / "loop.json",
