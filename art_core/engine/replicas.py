@@ -54,7 +54,7 @@ from art_core.engine.errors import (
     ReplicaDownError,
 )
 from art_core.engine.protocol import Completion, Engine
-from art_core.engine.revival import ReplicaFactory, ReviveConfig, revive
+from art_core.engine.revival import ReplicaFactory, ReviveConfig, close_quietly, revive
 from art_core.engine.routing import Memory, RoutingConfig, block_hashes, least_loaded
 
 logger = logging.getLogger(__name__)
@@ -101,13 +101,6 @@ def summed(a: EngineStats, b: EngineStats) -> EngineStats:
 def _stats_of(engine: Engine) -> EngineStats:
     stats = getattr(engine, "stats", None)
     return stats() if stats is not None else EngineStats(0, 0, 0, 0)
-
-
-def _close(engine: Engine) -> None:
-    try:
-        engine.close()
-    except Exception:  # one replica failing to close must not keep the others open
-        logger.exception("closing an inference replica failed")
 
 
 class ReplicatedEngine:
@@ -315,7 +308,7 @@ class ReplicatedEngine:
         """The revival thread: close the dead engine, then rebuild until one rejoins or attempts run out."""
         factory = self.factory
         assert factory is not None  # only started with one
-        _close(dead)
+        close_quietly(dead)
         back = revive(
             index, factory, self.revive_config, self._stop, lambda e: self._rejoin(index, e, factory)
         )
@@ -425,7 +418,7 @@ class ReplicatedEngine:
             if thread.is_alive():
                 logger.warning("%s is still building a replica; it closes the replica when done", thread.name)
         for engine in self.replicas:
-            _close(engine)
+            close_quietly(engine)
 
 
 __all__ = [

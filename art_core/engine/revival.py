@@ -83,13 +83,13 @@ def revive(
             logger.warning("rebuilding inference replica %d failed (attempt %d): %s", index, attempt, exc)
             continue
         if stop.is_set():
-            _close_quietly(engine)
+            close_quietly(engine)
             return False
         try:
             rejoin(engine)
         except Exception as exc:
             logger.warning("inference replica %d could not rejoin (attempt %d): %s", index, attempt, exc)
-            _close_quietly(engine)
+            close_quietly(engine)
             continue
         logger.info("inference replica %d is back (attempt %d)", index, attempt)
         return True
@@ -102,11 +102,13 @@ def revive(
     return False
 
 
-def _close_quietly(engine: Engine) -> None:
+def close_quietly(engine: Engine) -> None:
+    """Close a replica's engine, logging (not raising) a failure: one replica failing to close must
+    not keep the others open, and a rebuilt one that failed to join has nothing else left to do."""
     try:
         engine.close()
-    except Exception:  # it failed to join; closing it is all that is left to do
-        logger.exception("closing a rebuilt inference replica failed")
+    except Exception:
+        logger.exception("closing an inference replica failed")
 
 
-__all__ = ["ReplicaFactory", "ReviveConfig", "backoff_delays", "revive"]
+__all__ = ["ReplicaFactory", "ReviveConfig", "backoff_delays", "close_quietly", "revive"]

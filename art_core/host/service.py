@@ -472,7 +472,10 @@ class ModelService:
             hosted.step = previous
             name, why = hosted.spec.name, f"{type(exc).__name__}: {exc}"
             try:
-                with _paused(hosted.engine):  # no batch sees half of the rollback; replicas follow it
+                # torch serves the trainer's own weights: no batch may see half of the rollback, and
+                # the other replicas follow it (vLLM serves its own copy and is not touched)
+                serves_trainer = hosted.adapters is None
+                with _paused(hosted.engine) if serves_trainer else contextlib.nullcontext():
                     hosted.trainer.load_state(hosted.storage.checkpoint_dir(previous))
                     if hosted.copies is not None:
                         hosted.copies.publish()
@@ -527,7 +530,7 @@ class ModelService:
 
 @contextlib.contextmanager
 def _paused(engine: Engine) -> Iterator[None]:
-    """`engine` paused within the block (idempotent: the vLLM path's commit already runs paused)."""
+    """`engine` paused within the block."""
     engine.pause()
     try:
         yield
