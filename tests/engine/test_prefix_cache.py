@@ -7,7 +7,7 @@ import torch
 
 from art_core.engine.sampling import SamplingParams
 from art_core.engine.torch.decoding import DecodeBatch, RowState
-from art_core.engine.torch.prefix_cache import PrefixCache, PrefixHit
+from art_core.engine.torch.prefix_cache import BLOCK, PrefixCache, PrefixHit
 from art_core.models.loading import LoadedModel
 from tests.helpers_models import record_prefills
 from tests.tolerances import assert_close_to_model
@@ -22,17 +22,27 @@ def _views(
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Stand-in keys and values of `tokens` (2 layers, 1 head, dim 3) whose values name their token,
     after `padding` columns of padding (-1), as a batch row would hold them; and the column mask."""
-    row = torch.tensor([-1.0] * padding + tokens)[None, :, None].expand(1, -1, 3).contiguous()
+    row = (
+        torch.tensor([-1.0] * padding + tokens, dtype=torch.float32)[None, :, None]
+        .expand(1, -1, 3)
+        .contiguous()
+    )
     mask = torch.tensor([0] * padding + [1] * len(tokens))
     return [(row, row + 0.5), (row * 2, row * 2 + 0.5)], mask
 
 
-def _cached_tokens(hit: PrefixHit) -> list[int]:
-    """The tokens a hit's keys name, read through its mask (checks every layer agrees)."""
-    assert hit.mask is not None
-    named = [keys[0, hit.mask, 0] / scale for (keys, _), scale in zip(hit.layers, (1, 2), strict=True)]
+def _cached_tokens(cache: PrefixCache, hit: PrefixHit) -> list[int]:
+    """The tokens a hit's keys name (checks every layer, keys and values, agrees)."""
+    layers = cache.keys_values(hit)
+    named = [keys[0, :, 0] / scale for (keys, _), scale in zip(layers, (1, 2), strict=True)]
     assert all(torch.equal(n, named[0]) for n in named)
+    assert all(torch.equal(values, keys + 0.5) for keys, values in layers)
     return [int(t) for t in named[0].tolist()]
+
+
+def _page_bytes(block: int) -> int:
+    """Bytes of one arena page of `_views`' stand-ins: 2 layers x keys and values x 1 head x dim 3, float32."""
+    return 2 * 2 * 1 * 3 * 4 * block
 
 
 def test_lookup_finds_the_longest_cached_prefix_by_blocks_then_by_tokens() -> None:
@@ -48,42 +58,71 @@ def test_lookup_finds_the_longest_cached_prefix_by_blocks_then_by_tokens() -> No
     ]:
         hit = cache.lookup(prompt)
         assert hit.length == found, prompt
-        if found:
-            assert _cached_tokens(hit) == a[:found]
-            assert hit.mask is not None and hit.mask.shape[0] == 3 + found  # the padding comes along
+        if found:  # the tokens in order, without the row's padding
+            assert _cached_tokens(cache, hit) == a[:found] and len(hit.pages) == -(-found // 4)
     stats = cache.stats()
     assert (stats.lookups, stats.hit_tokens, stats.stored) == (5, 26, 1)
 
 
+def test_a_hits_keys_and_values_are_the_stored_ones_whatever_the_row_held_around_them() -> None:
+    cache = PrefixCache(max_bytes=10**6, block=4)
+    torch.manual_seed(0)
+    keys, values = torch.randn(2, 11, 5), torch.randn(2, 11, 5)  # 2 heads, 11 columns, dim 5
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1])  # a cached prefix, padding, the rest
+    tokens = list(range(50, 58))
+    cache.store(tokens, [(keys, values), (keys * 3, values - 1)], mask)
+    hit = cache.lookup(tokens + [1])
+    columns = mask.bool()
+    assert hit.length == 8
+    for (k, v), (want_k, want_v) in zip(
+        cache.keys_values(hit), [(keys, values), (keys * 3, values - 1)], strict=True
+    ):
+        assert torch.equal(k, want_k[:, columns]) and torch.equal(v, want_v[:, columns])
+    shorter = cache.lookup(tokens[:6])
+    assert torch.equal(cache.keys_values(shorter)[1][0], (keys * 3)[:, columns][:, :5])
+
+
 def test_store_skips_what_it_holds_drops_what_it_extends_and_evicts_the_least_recently_used() -> None:
     a, b, c = [list(range(start, start + 8)) for start in (0, 100, 200)]
-    one = PrefixCache(max_bytes=10**6, block=4)
-    one.store(a, *_views(a))
-    entry_bytes = one.stats().bytes  # the buffers an 8-token stand-in entry views
-    cache = PrefixCache(max_bytes=2 * entry_bytes, block=4)
+    entry_bytes = 2 * _page_bytes(4)  # an 8-token entry takes two pages of 4
+    cache = PrefixCache(max_bytes=2 * entry_bytes + _page_bytes(1), block=4)  # 4 pages and the padding slot
     cache.store(a[:6], *_views(a[:6]))
     cache.store(a, *_views(a))  # extends the first entry, which is dropped
     cache.store(a[:5], *_views(a[:5]))  # held whole by a
     cache.store([1, 2, 3], *_views([1, 2, 3]))  # shorter than a block: no lookup could find it
     stats = cache.stats()
-    assert (stats.stored, stats.evicted) == (2, 1) and cache.holds(a[:5]) and not cache.holds([1, 2, 3])
+    assert (stats.stored, stats.evicted, stats.bytes) == (2, 1, entry_bytes)
+    assert cache.holds(a[:5]) and not cache.holds([1, 2, 3])
     cache.store(b, *_views(b))
     assert cache.lookup(a + [1]).length == 8  # a is now the most recently used
-    cache.store(c, *_views(c))
+    cache.store(c, *_views(c))  # no page is free: b's are taken
     assert cache.stats().evicted == 2 and cache.stats().bytes == 2 * entry_bytes
     assert cache.lookup(b + [1]).length == 0 and cache.lookup(a + [1]).length == 8
-    assert cache.lookup(c + [1]).length == 8
+    assert cache.lookup(c + [1]).length == 8 and _cached_tokens(cache, cache.lookup(c + [1])) == c
+    cache.store(list(range(300, 320)), *_views(list(range(300, 320))))  # 5 pages: more than the arena
+    assert cache.stats().stored == 4 and cache.lookup(a + [1]).length == 8
     with pytest.raises(ValueError, match="unmasked"):
         cache.store(a, *_views(a[:5]))
 
 
-def test_entries_viewing_one_buffer_count_it_once() -> None:
-    buffer = torch.zeros(1, 2, 40, 3)  # a batch of two rows, as the decoder's cache holds them
-    cache = PrefixCache(max_bytes=10**6, block=4)
-    for row in range(2):
-        tokens = list(range(100 * row, 100 * row + 40))
-        cache.store(tokens, [(buffer[0, row : row + 1], buffer[0, row : row + 1])], torch.ones(40))
-    assert cache.stats().bytes == buffer.numel() * 4
+def test_the_arena_never_exceeds_its_budget_and_eviction_frees_its_pages() -> None:
+    budget = 7 * _page_bytes(4) + _page_bytes(1) - 1  # one byte short of 7 pages and the padding slot
+    cache = PrefixCache(max_bytes=budget, block=4)
+    for k in range(40):  # 5 to 12 tokens: 2 or 3 pages each
+        tokens = list(range(1000 * k, 1000 * k + 5 + k % 8))
+        cache.store(tokens, *_views(tokens, padding=k % 3))
+        stats = cache.stats()
+        assert stats.bytes <= 6 * _page_bytes(4)
+        arena = cache._arena
+        assert arena is not None and arena.numel() * arena.element_size() <= budget
+        held = [t for t in range(k + 1) if cache.holds(list(range(1000 * t, 1000 * t + 5 + t % 8)))]
+        assert held[-1] == k and stats.bytes == sum(-(-(5 + t % 8) // 4) for t in held) * _page_bytes(4)
+        for t in held:  # pages are never shared: every held entry still reads its own tokens
+            tokens = list(range(1000 * t, 1000 * t + 5 + t % 8))
+            assert _cached_tokens(cache, cache.lookup(tokens + [1])) == tokens
+    assert cache.stats().evicted == 40 - len(held)
+    cache.for_weights("other weights")
+    assert cache.stats().bytes == 0 and len(cache._free) == 6
 
 
 def test_a_new_weights_stamp_empties_the_cache() -> None:
@@ -171,13 +210,14 @@ def test_a_shared_system_prompt_beats_small_cache_hits(tiny_model: LoadedModel) 
 def test_rows_are_cached_one_by_one_even_when_their_batch_outweighs_the_budget(
     tiny_model: LoadedModel,
 ) -> None:
-    """Each cached row owns its copy: a budget of ~2.5 rows keeps the 2 most recent of 4 rows that
-    finished together (a copy of the batch, or a view of its buffers, would be evicted whole)."""
+    """Each cached row has pages of its own: a budget of ~2.5 rows keeps the 2 most recent of 4
+    rows that finished together (a copy of the batch, or a view of its buffers, would be evicted whole)."""
     config = tiny_model.model.config
     head_dim = config.hidden_size // config.num_attention_heads
     prompts = [[(7 * i + 13 * k) % 600 + 5 for i in range(30)] for k in range(4)]
-    sequence_bytes = (30 + GREEDY.max_tokens - 1) * config.num_hidden_layers * 2 * config.num_key_value_heads
-    cache = PrefixCache(max_bytes=int(2.5 * sequence_bytes * head_dim * 4))  # float32
+    pages = -(-(30 + GREEDY.max_tokens - 1) // BLOCK)
+    page_bytes = BLOCK * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4  # float32
+    cache = PrefixCache(max_bytes=int(2.5 * pages * page_bytes))
     rows = _decode(tiny_model, prompts, cache)
     finished = [row.prompt_ids + row.token_ids[:-1] for row in rows]
     found = [cache.lookup(sequence + [1]).length for sequence in finished]

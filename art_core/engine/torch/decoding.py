@@ -31,11 +31,10 @@ from art_core.engine.sampling import SamplingParams, chosen_logprobs, sample_nex
 from art_core.engine.torch.decode_step import decode_step, supports_decode_step
 from art_core.engine.torch.kv_cache import (
     cache_kwarg,
-    fill_cache,
     growing_cache,
     join_caches,
     joinable,
-    row_layers,
+    row_views,
 )
 from art_core.engine.torch.prefix_cache import PrefixCache, PrefixHit
 from art_core.engine.torch.scheduler import MIN_SHARED_PROMPT as MIN_SHARED_PROMPT
@@ -238,8 +237,9 @@ class DecodeBatch:
         Each row's cache then holds [left padding | its cached prefix | left padding | the rest of
         its prompt]; the mask hides the padding and positions continue from the prefix.
         """
+        assert self.prefix_cache is not None
         rows = [self.rows[i] for i in owners]
-        past_mask = fill_cache(self.cache, [(hit.layers, hit.mask) for hit in hits])
+        past_mask = self.prefix_cache.fill(self.cache, hits)
         rests = [r.prompt_ids[hit.length :] for r, hit in zip(rows, hits, strict=True)]
         ids, own_mask = _left_padded(rests, self.pad_id)
         own_mask = own_mask.to(self.device)
@@ -251,16 +251,16 @@ class DecodeBatch:
         return self.forward(ids, self.positions, rows=owners, mask=self.mask)
 
     def _remember(self, cache_rows: list[int], sequences: list[list[int]]) -> None:
-        """Store in the prefix cache what `cache_rows` of the batch's cache hold: `sequences`. Each
-        row's columns are copied (from the first that holds a token) into tensors of its own, so
-        the cache's budget evicts row by row and no cached row keeps the batch's buffers alive."""
+        """Store in the prefix cache what `cache_rows` of the batch's cache hold: `sequences`. The
+        cache copies the columns holding each row's tokens into pages of its arena, so its budget
+        evicts row by row and no cached row keeps the batch's buffers alive."""
         cache = self.prefix_cache
         if cache is None:
             return
         for row, sequence in zip(cache_rows, sequences, strict=True):
             if not cache.holds(sequence):
                 start = int(self.mask[row].argmax())
-                cache.store(sequence, row_layers(self.cache, row, start), self.mask[row, start:])
+                cache.store(sequence, row_views(self.cache, row, start), self.mask[row, start:])
 
     def _prefill_shared(self, shared: int, owners: list[int]) -> torch.Tensor:
         """Logits of rows `owners` (one per distinct prompt), whose first `shared` prompt tokens are

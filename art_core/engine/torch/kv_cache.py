@@ -125,37 +125,25 @@ def join_caches(cache: DynamicCache, other: DynamicCache) -> int:
     return width
 
 
-def row_layers(cache: DynamicCache, row: int, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Copies of batch row `row`'s keys and values from column `start` on: per layer, (keys,
-    values) [kv_heads, length - start, head_dim], each its own tensor (keeping nothing else of
-    the batch alive)."""
+def row_views(cache: DynamicCache, row: int, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batch row `row`'s keys and values from column `start` on: per layer, (keys, values), views
+    [kv_heads, length - start, head_dim] of the cache's buffers (read them before the cache changes)."""
     layers: list[Any] = list(cache.layers)
-    return [(layer.keys[row, :, start:].clone(), layer.values[row, :, start:].clone()) for layer in layers]
+    return [(layer.keys[row, :, start:], layer.values[row, :, start:]) for layer in layers]
 
 
-def fill_cache(
-    cache: DynamicCache, pasts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]]
-) -> torch.Tensor:
-    """Write per-row pasts into the empty `cache`, right-aligned at the widest (zeros on the left).
+def fill_cache(cache: DynamicCache, store: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write into the empty `cache` the keys and values that `slots` picks out of `store`.
 
-    A past is (per layer, keys and values [kv_heads, columns, head_dim]; its column mask
-    [columns], None for no past). Returns the batch's mask [B, widest] (the pasts' masks, right-aligned).
+    `store` is [layers, 2, kv_heads, tokens, head_dim]: per layer, the keys (0) and values (1) of
+    some tokens; `slots` [B, columns] names the token each row's column gets. One gather per layer
+    and kind covers the whole batch.
     """
-    width = max(0 if mask is None else mask.shape[0] for _, mask in pasts)
-    layers, _ = next(past for past in pasts if past[1] is not None)
-    heads, _, dim = layers[0][0].shape
-    sample = layers[0][0]
-    mask = torch.zeros((len(pasts), width), dtype=torch.long, device=sample.device)
-    for row, (_, columns) in enumerate(pasts):
-        if columns is not None:
-            mask[row, width - columns.shape[0] :] = columns
+    rows, width = slots.shape
+    flat = slots.flatten()
     cache_layers: list[Any] = list(cache.layers)
-    for index, layer in enumerate(cache_layers):
-        keys = sample.new_zeros((len(pasts), heads, width, dim))
-        values = sample.new_zeros((len(pasts), heads, width, dim))
-        for row, (past, columns) in enumerate(pasts):
-            if columns is not None:
-                keys[row, :, width - columns.shape[0] :] = past[index][0]
-                values[row, :, width - columns.shape[0] :] = past[index][1]
+    for layer, kinds in zip(cache_layers, store, strict=True):
+        keys, values = (
+            kind.index_select(1, flat).unflatten(1, (rows, width)).transpose(0, 1) for kind in kinds
+        )
         layer.update(keys, values)
-    return mask

@@ -7,20 +7,25 @@ keys and values (all layers) of recently prefilled prompts and finished completi
 prompt's prefill runs only the tokens past the longest prefix the cache holds (vLLM's automatic
 prefix caching, at token granularity).
 
-An entry is a token sequence and, per layer, its keys and values as the decoding batch's row
-held them (from its first token on), with the row's column mask: a batch row holds its tokens in
-order, with padding columns in between where its prefill padded it. Each row is copied out of
-the batch into tensors of its own (one copy per layer and kind: 30-76 ms for 32 rows of 100
-tokens of SmolLM2), not viewed: a view would keep the batch's whole buffer alive for one row,
-and a batch of long rows can outweigh the whole budget. The cache's memory is counted per
-buffer its entries view (callers that store views of one buffer have it counted once).
+Memory is bounded by construction: all entries live in one arena, a tensor [layers, 2 (keys,
+values), kv_heads, slots, head_dim] in the serving dtype, allocated once at the first store (when
+the shapes are known) and never grown; its slots are cut into pages of `block` tokens, as many as
+`max_bytes` holds. An entry is a token sequence and the pages holding its keys and values, one
+slot per token in order: only the columns of the batch row that hold its tokens are copied, not
+the row's padding (positions and rotary follow the token's index in the sequence, not its column,
+so the same tokens without padding give the same attention). Evicting an entry returns its pages
+to a free list; a store takes free pages, evicting the least recently used entries while too few
+are free. Storing thus never allocates memory that outlives it: before the arena, each entry was
+copied into small tensors of its own (per layer, keys and values), long-lived and of varied size,
+which fragmented glibc's heap until serving RSS was 4-7x the budget (docs/reliability.md).
 
 Lookup: an index maps the hash chain of each whole `block`-token block of an entry to the newest
 entry holding that chain. `lookup` follows a prompt's chain as far as it is indexed, then extends
 token by token along the entry it reached; the tokens themselves are compared, a hash is never
-trusted. Entries are evicted least recently used first once the buffers they view hold more than
-`max_bytes`; an entry that a newly stored one extends (a prompt, then its finished completion)
-is dropped at once.
+trusted. A hit names the pages it needs; `fill` then gathers every row's hit from the arena
+straight into a batch's empty KV cache (one gather per layer and kind for the whole batch). A hit
+is valid until the next `store` (which may reuse its pages). An entry that a newly stored one
+extends (a prompt, then its finished completion) is dropped at once.
 
 The keys and values depend on the weights, so a cache is valid for one version of them: the
 caller passes a `stamp` of its weights to `for_weights`, which empties the cache when it changed.
@@ -28,15 +33,21 @@ caller passes a `stamp` of its weights to `for_weights`, which empties the cache
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
+
+from art_core.engine.torch.kv_cache import fill_cache
+
+logger = logging.getLogger(__name__)
 
 BLOCK = 16
-"""Tokens per indexed block: lookups find whole blocks by hash, then extend token by token."""
+"""Tokens per page and per indexed block: lookups find whole blocks by hash, then extend token by token."""
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 """One layer's keys and values of one sequence, each [kv_heads, columns, head_dim]."""
@@ -44,28 +55,22 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """The longest cached prefix of a prompt."""
+    """The longest cached prefix of a prompt (valid until the cache's next `store`)."""
 
     length: int
     """How many leading tokens of the prompt are cached (0: none)."""
-    layers: list[LayerKV]
-    """Per layer, the keys and values of those tokens: views [kv_heads, columns, head_dim] of the
-    cache's entry (read them, never write them); empty when `length` is 0."""
-    mask: torch.Tensor | None
-    """[columns] bool: which columns hold the tokens (in order; the others are padding)."""
+    pages: tuple[int, ...]
+    """The arena pages holding those tokens, in order (the last one possibly in part); empty when
+    `length` is 0."""
 
 
 @dataclass(eq=False)
 class _Entry:
     tokens: tuple[int, ...]
-    layers: list[LayerKV]
-    mask: torch.Tensor
-    ends: list[int]
-    """ends[j]: the column after the one holding token j (a prefix of j + 1 tokens spans ends[j])."""
+    pages: list[int]
+    """The arena pages holding the tokens' keys and values, `block` tokens each, in order."""
     chain: list[int]
     """The hash of each whole block's chain, in order (the index keys this entry was stored under)."""
-    buffers: list[tuple[int, int]]
-    """(address, bytes) of every buffer its views point into."""
 
 
 @dataclass(frozen=True)
@@ -80,11 +85,11 @@ class PrefixCacheStats:
     stored: int
     """Sequences stored."""
     evicted: int
-    """Entries dropped to stay under `max_bytes`, or because a newer entry extends them."""
+    """Entries dropped to free pages for newer ones, or because a newer entry extends them."""
     clears: int
     """Times a new weights stamp emptied the cache."""
     bytes: int
-    """Bytes of the buffers the entries view now."""
+    """Bytes of the arena's pages that entries hold now (the arena itself is at most `max_bytes`)."""
 
 
 class PrefixCache:
@@ -98,9 +103,11 @@ class PrefixCache:
         self.max_bytes, self.block = max_bytes, block
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # id(entry) -> entry, oldest first
         self._index: dict[int, _Entry] = {}
-        self._buffers: dict[int, list[int]] = {}  # address -> [entries viewing it, bytes]
+        self._arena: torch.Tensor | None = None
+        """[layers, 2, kv_heads, pages * block + 1, head_dim]; the last slot stays zero (padding)."""
+        self._pages = self._page_bytes = 0
+        self._free: list[int] = []
         self._stamp: Hashable = None
-        self._bytes = 0
         self._counts = {"lookups": 0, "looked_up_tokens": 0, "hit_tokens": 0, "stored": 0}
         self._evicted = self._clears = 0
 
@@ -114,14 +121,14 @@ class PrefixCache:
         return self
 
     def clear(self) -> None:
-        """Drop every entry."""
+        """Drop every entry (the arena stays allocated, all its pages free)."""
         self._entries.clear()
         self._index.clear()
-        self._buffers.clear()
-        self._bytes = 0
+        self._free = list(range(self._pages - 1, -1, -1))
 
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(**self._counts, evicted=self._evicted, clears=self._clears, bytes=self._bytes)
+        in_use = (self._pages - len(self._free)) * self._page_bytes
+        return PrefixCacheStats(**self._counts, evicted=self._evicted, clears=self._clears, bytes=in_use)
 
     def lookup(self, tokens: Sequence[int]) -> PrefixHit:
         """The longest cached prefix of `tokens`, leaving at least the last token uncached (a
@@ -130,17 +137,15 @@ class PrefixCache:
         self._counts["looked_up_tokens"] += len(tokens)
         entry, blocks = self._follow(tokens)
         if entry is None or len(tokens) < 2:
-            return PrefixHit(0, [], None)
+            return PrefixHit(0, ())
         start = blocks * self.block
         common = os.path.commonprefix([entry.tokens[start:], tuple(tokens[start:])])
         length = min(start + len(common), len(tokens) - 1)
         if entry.tokens[:length] != tuple(tokens[:length]):  # a hash collision on the chain
-            return PrefixHit(0, [], None)
+            return PrefixHit(0, ())
         self._entries.move_to_end(id(entry))
         self._counts["hit_tokens"] += length
-        width = entry.ends[length - 1]
-        layers = [(keys[:, :width], values[:, :width]) for keys, values in entry.layers]
-        return PrefixHit(length, layers, entry.mask[:width])
+        return PrefixHit(length, tuple(entry.pages[: -(-length // self.block)]))
 
     def holds(self, tokens: Sequence[int]) -> bool:
         """Whether an entry holds all of `tokens` (storing them would add nothing); marks it used."""
@@ -151,46 +156,118 @@ class PrefixCache:
         self._entries.move_to_end(id(holder))
         return True
 
+    def keys_values(self, hit: PrefixHit) -> list[LayerKV]:
+        """Copies of a hit's keys and values: per layer, [kv_heads, hit.length, head_dim] each."""
+        if hit.length == 0 or self._arena is None:
+            return []
+        slots = self._slots(hit.pages, hit.length)
+        return [(layer[0].index_select(1, slots), layer[1].index_select(1, slots)) for layer in self._arena]
+
+    def fill(self, cache: DynamicCache, hits: Sequence[PrefixHit]) -> torch.Tensor:
+        """Write each hit's keys and values into row i of the empty `cache`, right-aligned at the
+        longest hit (zeros on the left); returns the batch's mask [len(hits), longest] (1 on tokens)."""
+        if self._arena is None or not any(hit.length for hit in hits):
+            raise ValueError("fill needs at least one hit on a cache that holds entries")
+        width, padding = max(hit.length for hit in hits), self._arena.shape[-2] - 1
+        device = self._arena.device
+        slots = torch.full((len(hits), width), padding, dtype=torch.long, device=device)
+        mask = torch.zeros((len(hits), width), dtype=torch.long, device=device)
+        for row, hit in enumerate(hits):
+            if hit.length:
+                slots[row, width - hit.length :] = self._slots(hit.pages, hit.length)
+                mask[row, width - hit.length :] = 1
+        fill_cache(cache, self._arena, slots)
+        return mask
+
     def store(self, tokens: Sequence[int], layers: list[LayerKV], mask: torch.Tensor) -> None:
-        """Keep `tokens` with their keys and values: per layer, tensors [kv_heads, columns, head_dim]
-        that the caller never writes again (the cache keeps them, not copies), and `mask`
-        [columns], true on the columns that hold the tokens (in order).
+        """Copy `tokens`' keys and values into the arena: per layer, tensors [kv_heads, columns,
+        head_dim] (a batch row's views; only read here), and `mask` [columns], true on the columns
+        that hold the tokens (in order).
 
         Sequences shorter than one block are not kept (no lookup could find them), nor sequences
-        an entry already holds whole. Entries that this one extends are dropped.
+        an entry already holds whole, nor sequences longer than the whole arena. Entries that this
+        one extends are dropped; then the least recently used ones until enough pages are free.
         """
         mask = mask.bool()
-        ends = (mask.nonzero()[:, 0] + 1).tolist()
-        if len(ends) != len(tokens) or any(keys.shape[-2] != mask.shape[0] for keys, _ in layers):
+        columns = mask.nonzero()[:, 0]
+        if len(columns) != len(tokens) or any(keys.shape[-2] != mask.shape[0] for keys, _ in layers):
             raise ValueError(
                 f"{len(tokens)} tokens need as many unmasked columns, and keys as wide as the mask "
-                f"({mask.shape[0]} columns, {len(ends)} unmasked)"
+                f"({mask.shape[0]} columns, {len(columns)} unmasked)"
             )
         if len(tokens) < self.block:
             return
         key = tuple(int(t) for t in tokens)
-        if self.holds(key):
+        if self.holds(key) or not self._ensure_arena(layers):
             return
-        buffers = {}
-        for keys, values in layers:
-            for view in (keys, values):
-                storage = view.untyped_storage()
-                buffers[storage.data_ptr()] = storage.nbytes()
-        entry = _Entry(key, list(layers), mask, ends, self._chain(key), list(buffers.items()))
-        for link in entry.chain:
+        needed = -(-len(key) // self.block)
+        if needed > self._pages:
+            return
+        chain = self._chain(key)
+        for link in chain:
             older = self._index.get(link)
-            if older is not None and older is not entry and key[: len(older.tokens)] == older.tokens:
+            if older is not None and key[: len(older.tokens)] == older.tokens:
                 self._evict(older)  # this entry holds all of it
+        while len(self._free) < needed:
+            self._evict(next(iter(self._entries.values())))
+        entry = _Entry(key, [self._free.pop() for _ in range(needed)], chain)
+        self._write(entry, layers, columns if len(columns) < mask.shape[0] else None)
+        for link in chain:
             self._index[link] = entry
         self._entries[id(entry)] = entry
-        for address, size in entry.buffers:
-            count = self._buffers.setdefault(address, [0, size])
-            if count[0] == 0:
-                self._bytes += size
-            count[0] += 1
         self._counts["stored"] += 1
-        while self._bytes > self.max_bytes and self._entries:
-            self._evict(next(iter(self._entries.values())))
+
+    def _ensure_arena(self, layers: list[LayerKV]) -> bool:
+        """Allocate the arena for keys shaped like `layers`' on the first store; False if not even
+        one page fits the budget. Raises ValueError for keys of another shape while entries are held."""
+        keys = layers[0][0]
+        heads, _, dim = keys.shape
+        shape = (len(layers), 2, heads, dim)
+        arena = self._arena
+        if arena is not None:
+            if (*arena.shape[:3], arena.shape[-1], arena.dtype, arena.device) == (
+                *shape,
+                keys.dtype,
+                keys.device,
+            ):
+                return self._pages > 0
+            if self._entries:
+                raise ValueError(
+                    f"keys {tuple(keys.shape)} {keys.dtype} do not fit the arena {tuple(arena.shape)}"
+                )
+        token_bytes = len(layers) * 2 * heads * dim * keys.element_size()
+        self._page_bytes = token_bytes * self.block
+        self._pages = max(0, (self.max_bytes - token_bytes) // self._page_bytes)  # the padding slot fits too
+        if self._pages == 0:
+            logger.warning(
+                "prefix cache: a page of %d tokens takes %d bytes, more than the budget of %d; caching nothing",
+                self.block,
+                self._page_bytes,
+                self.max_bytes,
+            )
+        # Not an inference tensor, so that it can be written inside and outside inference mode.
+        with torch.inference_mode(False):
+            self._arena = keys.new_empty((len(layers), 2, heads, self._pages * self.block + 1, dim))
+            self._arena[..., -1, :] = 0  # the padding slot
+        self.clear()
+        return self._pages > 0
+
+    def _write(self, entry: _Entry, layers: list[LayerKV], columns: torch.Tensor | None) -> None:
+        """Copy the tokens' columns (`columns`; None: every column) of `layers` into `entry`'s pages."""
+        assert self._arena is not None
+        slots = self._slots(entry.pages, len(entry.tokens))
+        with torch.no_grad():
+            for target, (keys, values) in zip(self._arena, layers, strict=True):
+                for kind, source in enumerate((keys, values)):
+                    picked = source if columns is None else source.index_select(1, columns)
+                    target[kind].index_copy_(1, slots, picked)
+
+    def _slots(self, pages: Sequence[int], length: int) -> torch.Tensor:
+        """The arena slots of the first `length` tokens held in `pages`, in order."""
+        assert self._arena is not None
+        device = self._arena.device
+        starts = torch.tensor(pages, dtype=torch.long, device=device)[:, None] * self.block
+        return (starts + torch.arange(self.block, device=device)).flatten()[:length]
 
     def _evict(self, entry: _Entry) -> None:
         if self._entries.pop(id(entry), None) is None:
@@ -199,12 +276,7 @@ class PrefixCache:
         for link in entry.chain:
             if self._index.get(link) is entry:
                 del self._index[link]
-        for address, size in entry.buffers:
-            count = self._buffers[address]
-            count[0] -= 1
-            if count[0] == 0:
-                del self._buffers[address]
-                self._bytes -= size
+        self._free.extend(entry.pages)
 
     def _chain(self, tokens: Sequence[int]) -> list[int]:
         """The chained hash of each whole block of `tokens`."""
