@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -142,8 +144,6 @@ def test_json_files(storage: ModelStorage) -> None:
 def test_checkpoint_writes_keep_no_python_memory_per_step(storage: ModelStorage) -> None:
     """A long run writes a checkpoint a step: nothing of each may stay behind in the process (the
     leftover sweep once globbed a new pattern a step, ~0.75 KB of compiled-pattern caches each)."""
-    import gc
-    import tracemalloc
 
     def write(folder: Path) -> None:
         (folder / "state.bin").write_bytes(b"x")
