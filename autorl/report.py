@@ -17,9 +17,15 @@ from typing import Any
 
 from art_core.atomic import atomic_write_bytes
 
+RULER_LABEL = "mean RULER score"
+"""What autorl's per-step reward is (callers that score otherwise, such as mcp_rl, pass their own)."""
+RULER_NOTE = "relative within each group: a health signal, not the score"
 
-def plot_rewards(history: Sequence[Mapping[str, Any]], path: Path, *, title: str) -> Path | None:
-    """Mean RULER reward per step (band: min..max) as a PNG at `path`; None when no step has a reward."""
+
+def plot_rewards(
+    history: Sequence[Mapping[str, Any]], path: Path, *, title: str, ylabel: str = RULER_LABEL
+) -> Path | None:
+    """Mean reward per step (band: min..max) as a PNG at `path`; None when no step has a reward."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -35,7 +41,7 @@ def plot_rewards(history: Sequence[Mapping[str, Any]], path: Path, *, title: str
             xs, [r["reward_min"] for r in rows], [r["reward_max"] for r in rows], alpha=0.2, linewidth=0
         )
     axes.plot(xs, [r["reward"] for r in rows], marker="o" if len(xs) < 30 else None, linewidth=1.5)
-    axes.set(title=title, xlabel="step", ylabel="mean RULER score", ylim=(-0.05, 1.05))
+    axes.set(title=title, xlabel="step", ylabel=ylabel, ylim=(-0.05, 1.05))
     axes.grid(alpha=0.3)
     figure.tight_layout()
     png = io.BytesIO()
@@ -56,9 +62,11 @@ def _cell(text: str, limit: int = 160) -> str:
 
 
 def headline(summary: Mapping[str, Any]) -> str:
-    """One sentence on the win rate; pure."""
+    """One sentence on the win rate; pure. `summary["judged"]` False: the run had no judge at all."""
     rate, ci = summary.get("win_rate"), summary.get("win_rate_ci") or (0.0, 1.0)
     if rate is None:
+        if summary.get("judged") is False:
+            return "The run had no judge (`--judge none`), so there is no head-to-head win rate."
         return "No validation input could be judged, so there is no win rate (see the judge errors below)."
     verdict = "better than" if ci[0] > 0.5 else "worse than" if ci[1] < 0.5 else "not distinguishable from"
     return (
@@ -74,8 +82,11 @@ def render_report(
     notes: Sequence[str] = (),
     examples: Sequence[Mapping[str, str]] = (),
     plot: str | None = None,
+    reward_label: str = RULER_LABEL,
+    reward_note: str = RULER_NOTE,
 ) -> str:
-    """The Markdown report; pure. `examples`: dicts with `input`, `trained`, `baseline`."""
+    """The Markdown report; pure. `examples`: dicts with `input`, `trained`, `baseline`;
+    `reward_label` and `reward_note` say what the per-step reward is."""
     lines = [
         f"# AutoRL: {summary.get('task')}",
         "",
@@ -83,18 +94,18 @@ def render_report(
         "",
         f"- steps trained: {summary.get('steps')} in {_fmt(summary.get('seconds'), 0)} s",
         f"- inputs: {summary.get('inputs_train')} train, {summary.get('inputs_val')} validation",
-        f"- mean RULER score: first steps {_fmt(summary.get('first_reward'))}, last steps "
-        f"{_fmt(summary.get('last_reward'))} (relative within each group: a health signal, not the score)",
+        f"- {reward_label}: first steps {_fmt(summary.get('first_reward'))}, last steps "
+        f"{_fmt(summary.get('last_reward'))} ({reward_note})",
         f"- judge errors: {summary.get('judge_errors')} (counted, never scored)",
     ]
     lines += [f"- {note}" for note in notes]
     if plot:
-        lines += ["", f"![mean RULER score per step]({plot})"]
+        lines += ["", f"![{reward_label} per step]({plot})"]
     lines += [
         "",
         "## Per step",
         "",
-        "| step | mean RULER score | groups scored | judge errors | rollout errors | trained |",
+        f"| step | {reward_label} | groups scored | judge errors | rollout errors | trained |",
     ]
     lines.append("|---|---|---|---|---|---|")
     for r in history:
@@ -116,10 +127,21 @@ def write_report(
     *,
     notes: Sequence[str] = (),
     examples: Sequence[Mapping[str, str]] = (),
+    reward_label: str = RULER_LABEL,
+    reward_note: str = RULER_NOTE,
 ) -> tuple[Path, Path | None]:
     """Write `reward.png` and `report.md` into `out`; returns their paths (the PNG's None if nothing to plot)."""
-    png = plot_rewards(history, out / "reward.png", title=f"AutoRL: {str(summary.get('task'))[:60]}")
-    text = render_report(summary, history, notes=notes, examples=examples, plot=png.name if png else None)
+    title = f"AutoRL: {str(summary.get('task'))[:60]}"
+    png = plot_rewards(history, out / "reward.png", title=title, ylabel=reward_label)
+    text = render_report(
+        summary,
+        history,
+        notes=notes,
+        examples=examples,
+        plot=png.name if png else None,
+        reward_label=reward_label,
+        reward_note=reward_note,
+    )
     report = out / "report.md"
     atomic_write_bytes(report, text.encode("utf-8"))
     return report, png

@@ -310,7 +310,9 @@ async def run(config: RunConfig, on_event: StepCallback | None = None) -> dict[s
     details = {"before": before.summary() if before else None, "after": after.summary() if after else None,
                "head_to_head": duel.__dict__ if duel else None, "pool": pool.stats.__dict__,
                "training": counts.__dict__}  # fmt: skip
-    write_report(config.out, summary, details, history, examples=_examples(after, before))
+    write_report(
+        config.out, summary, details, history, examples=_examples(after, before), judged=judge is not None
+    )
     if on_event:
         on_event("done", summary)
     return summary

@@ -22,8 +22,9 @@ def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def mcp_notes(summary: Mapping[str, Any], details: Mapping[str, Any]) -> list[str]:
-    """The report's MCP lines: validation before/after, per-tool calls and error rates; pure."""
+def mcp_notes(summary: Mapping[str, Any], details: Mapping[str, Any], *, judged: bool = True) -> list[str]:
+    """The report's MCP lines: validation before/after, per-tool calls and error rates; pure.
+    `judged`: whether RULER scored the groups (False: `--judge none`, the checks alone)."""
     before, after = details.get("before") or {}, details.get("after") or {}
     notes = [
         f"server: `{summary['server']}`; server restarts {summary['server_restarts']}, "
@@ -33,7 +34,9 @@ def mcp_notes(summary: Mapping[str, Any], details: Mapping[str, Any]) -> list[st
         f"validation rollouts ending with complete_task: before {_fmt(before.get('completed_rate'))}, "
         f"after {_fmt(after.get('completed_rate'))}; mean turns: before {_fmt(before.get('mean_turns'))}, "
         f"after {_fmt(after.get('mean_turns'))}",
-        "the reward is the shaped check and RULER combined (mcp_rl.rewards), not RULER alone",
+        "the reward is the shaped check and RULER combined (mcp_rl.rewards), not RULER alone"
+        if judged
+        else "the reward is the shaped check alone (mcp_rl.rewards; no judge: `--judge none`)",
     ]
     tools = sorted({*(before.get("tools") or {}), *(after.get("tools") or {})})
     for tool in tools:
@@ -56,8 +59,10 @@ def write_report(
     history: Sequence[Mapping[str, Any]],
     *,
     examples: Sequence[Mapping[str, str]] = (),
+    judged: bool = True,
 ) -> Path:
-    """Write `summary.json`, `reward.png` (when a step has a reward) and `report.md`; returns the report."""
+    """Write `summary.json`, `reward.png` (when a step has a reward) and `report.md`; returns the
+    report. `judged`: whether RULER scored the groups (False: `--judge none`)."""
     _atomic_write(out / "summary.json", json.dumps({**summary, "details": details}, indent=2) + "\n")
     duel = details.get("head_to_head") or {}
     shared = {
@@ -66,11 +71,20 @@ def write_report(
         "inputs_train": summary["scenarios_train"],
         "inputs_val": summary["scenarios_val"],
         "win_rate_ci": (duel.get("ci_low", 0.0), duel.get("ci_high", 1.0)),
+        "judged": judged,
         "judge_errors": sum(int(h.get("judge_errors") or 0) for h in history)
         + int(duel.get("judge_errors", 0)),
     }
     report, _ = write_shared_report(
-        out, shared, history, notes=mcp_notes(summary, details), examples=examples
+        out,
+        shared,
+        history,
+        notes=mcp_notes(summary, details, judged=judged),
+        examples=examples,
+        reward_label="mean reward (check and RULER)" if judged else "mean reward (check)",
+        reward_note="the shaped check is absolute, RULER relative within each group"
+        if judged
+        else "the shaped check: absolute, comparable across steps",
     )
     return report
 

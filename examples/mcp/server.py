@@ -11,9 +11,8 @@ Resource: `warehouse://policy` (the restocking rule). Prompt: `restock_review`.
 `scenarios.jsonl` beside this file holds hand-checked tasks with their expected answers.
 """
 
-from __future__ import annotations
-
 import argparse
+from typing import Literal, get_args
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -50,19 +49,19 @@ UNIT_PRICES = {
 }
 """Price of one unit, in euros."""
 
+Product = Literal[
+    "apples", "bananas", "cherries", "dates", "figs", "grapes",
+    "kiwis", "lemons", "mangoes", "oranges", "pears", "plums",
+]  # fmt: skip
+"""A product's name as the warehouse lists it. An enum in the tools' schemas: a client that decodes
+under the schema (ours does, with `tool_choice="required"`) can only name a product that exists,
+and any other client gets a validation error that lists the names."""
+assert set(get_args(Product)) == set(INITIAL_STOCK) == set(UNIT_PRICES)
+
 POLICY = "Restock a product when fewer than 10 units are left; order enough to reach 30 units."
 
 server = MCPServer("fruit-warehouse", version="1.0.0", instructions="Stock and prices of a fruit warehouse.")
 stock = dict(INITIAL_STOCK)
-
-
-def _product(name: str) -> str:
-    """The product a name means: its plural (as listed) or singular ("cherry", "mango")."""
-    key = name.strip().lower()
-    for candidate in (key, key + "s", key + "es", key[:-1] + "ies"):
-        if candidate in stock:
-            return candidate
-    raise ToolError(f"unknown product {name!r}; products: {', '.join(sorted(stock))}")
 
 
 @server.tool()
@@ -72,35 +71,33 @@ def list_products() -> str:
 
 
 @server.tool()
-def stock_level(product: str) -> int:
+def stock_level(product: Product) -> int:
     """How many units of a product are in stock right now."""
-    return stock[_product(product)]
+    return stock[product]
 
 
 @server.tool()
-def unit_price(product: str) -> float:
+def unit_price(product: Product) -> float:
     """The price of one unit of a product, in euros."""
-    return UNIT_PRICES[_product(product)]
+    return UNIT_PRICES[product]
 
 
 @server.tool()
-def receive_delivery(product: str, units: int) -> int:
+def receive_delivery(product: Product, units: int) -> int:
     """Record a delivery of `units` units of a product; returns the new stock level."""
     if units < 1:
         raise ToolError("units must be a positive number")
-    key = _product(product)
-    stock[key] += units
-    return stock[key]
+    stock[product] += units
+    return stock[product]
 
 
 @server.tool()
-def ship_order(product: str, units: int) -> int:
+def ship_order(product: Product, units: int) -> int:
     """Ship `units` units of a product to a customer; returns the stock level left."""
-    key = _product(product)
-    if not 1 <= units <= stock[key]:
-        raise ToolError(f"cannot ship {units} {key}: {stock[key]} in stock")
-    stock[key] -= units
-    return stock[key]
+    if not 1 <= units <= stock[product]:
+        raise ToolError(f"cannot ship {units} {product}: {stock[product]} in stock")
+    stock[product] -= units
+    return stock[product]
 
 
 @server.resource("warehouse://policy", mime_type="text/plain")
@@ -110,7 +107,7 @@ def policy() -> str:
 
 
 @server.prompt()
-def restock_review(product: str) -> str:
+def restock_review(product: Product) -> str:
     """Ask for a restocking decision about one product."""
     return f"Check the stock of {product} and say whether it must be restocked under the warehouse policy."
 

@@ -155,7 +155,9 @@ def test_mcp_rl_train_cli_on_the_example_with_the_tiny_model(tmp_path: Path) -> 
     assert summary["win_rate"] is None and summary["server_restarts"] == 0  # no judge: no head-to-head
     assert 0.0 <= summary["val_success_before"] <= 1.0
     assert (out / "report.md").exists() and (out / "server.log").exists()
-    assert "success rate" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "success rate" in report and "RULER" not in report  # no judge: no RULER score is claimed
+    assert "no judge (`--judge none`)" in report and "mean reward (check)" in report
 
 
 def test_mcp_rl_cli_dies_at_start_is_a_clear_error(tmp_path: Path) -> None:
@@ -189,4 +191,6 @@ def test_mcp_rl_train_cli_smoke_on_smollm2(tmp_path: Path) -> None:
     assert summary["first_reward"] is not None and summary["win_rate"] is not None
     (record,) = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert record["groups_scored"] == 1 and record["judge_errors"] == 0 and record["judge_calls"] >= 1
-    assert (out / "reward.png").exists() and "validation success rate" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert (out / "reward.png").exists() and "validation success rate" in report
+    assert "shaped check and RULER combined" in report and "mean reward (check and RULER)" in report

@@ -3,11 +3,13 @@ ours (examples/mcp) over stdio and HTTP, mcp-server-time, mcp-server-git, and a 
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,6 +32,22 @@ FAULT_TOOLS = {"echo", "counter", "crash", "hang", "slow", "big"}
 CONFIG = ToolCallConfig(timeout_s=2.0, max_output_chars=1000, ping_timeout_s=2.0)
 
 
+def singular(plural: str) -> str:
+    """ "cherries" -> "cherry", "mangoes" -> "mango", "figs" -> "fig": how the tasks name one unit."""
+    if plural.endswith("ies"):
+        return plural[:-3] + "y"
+    return plural[:-2] if plural.endswith("oes") else plural[:-1]
+
+
+def warehouse_module() -> Any:
+    """examples/mcp/server.py imported afresh (its own stock), to call its tools as functions."""
+    spec = importlib.util.spec_from_file_location("warehouse", EXAMPLE_SERVER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 async def test_example_server_over_stdio_catalog_and_state(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
     connection = await ServerConnection(example_spec(), log_path=log).start()
@@ -43,9 +61,10 @@ async def test_example_server_over_stdio_catalog_and_state(tmp_path: Path) -> No
             "ship_order",
         ]
         stock = catalog.tools[1]["function"]
-        assert stock["parameters"] == {
+        products = sorted(warehouse_module().INITIAL_STOCK)
+        assert stock["parameters"] == {  # the Literal became an enum: decoding under it names real products
             "type": "object",
-            "properties": {"product": {"type": "string"}},
+            "properties": {"product": {"type": "string", "enum": products}},
             "required": ["product"],
         }
         assert [r.uri for r in catalog.resources] == ["warehouse://policy"]
@@ -57,9 +76,13 @@ async def test_example_server_over_stdio_catalog_and_state(tmp_path: Path) -> No
             connection, set(catalog.tool_names), "receive_delivery", '{"product": "figs", "units": 3}', CONFIG
         )
         second = await call_tool(
-            connection, set(catalog.tool_names), "stock_level", {"product": "fig"}, CONFIG
+            connection, set(catalog.tool_names), "stock_level", {"product": "figs"}, CONFIG
         )
         assert (first.content, first.kind, second.content) == ("7", "ok", "7")  # 4 + 3, state kept
+        unlisted = await call_tool(
+            connection, set(catalog.tool_names), "stock_level", {"product": "fig"}, CONFIG
+        )
+        assert unlisted.kind == "tool_error" and "figs" in unlisted.content  # the error lists the names
         error = await call_tool(
             connection, set(catalog.tool_names), "ship_order", {"product": "figs", "units": 99}, CONFIG
         )
@@ -89,22 +112,11 @@ async def test_example_server_over_http_with_a_header(tmp_path: Path) -> None:
 
 def test_example_scenarios_are_hand_checked_against_the_server() -> None:
     """Every expected answer in examples/mcp/scenarios.jsonl is what the server's tools give."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("warehouse", EXAMPLE_SERVER)
-    assert spec is not None and spec.loader is not None
     scenarios = load_scenarios(EXAMPLE_SCENARIOS)
     for scenario in scenarios:
-        warehouse = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(warehouse)  # fresh state per scenario, as with per-rollout isolation
+        warehouse = warehouse_module()  # fresh state per scenario, as with per-rollout isolation
         words = scenario.task.lower().replace("?", "").replace(".", "").split()
-        product = None
-        for word in words:
-            try:
-                product = warehouse._product(word)
-                break
-            except Exception:
-                continue
+        product = next((p for w in words for p in warehouse.INITIAL_STOCK if w in (p, singular(p))), None)
         assert product is not None, scenario.id
         if "price" in scenario.task or "cost" in scenario.task:
             answer = warehouse.unit_price(product)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -137,3 +139,28 @@ def test_json_files(storage: ModelStorage) -> None:
     for bad in ("../escape.json", "/abs.json", ""):
         with pytest.raises(ValueError, match="inside the model folder"):
             storage.write_json(bad, {})
+
+
+def test_checkpoint_writes_keep_no_python_memory_per_step(storage: ModelStorage) -> None:
+    """A long run writes a checkpoint a step: nothing of each may stay behind in the process (the
+    leftover sweep once globbed a new pattern a step, ~0.75 KB of compiled-pattern caches each)."""
+
+    def write(folder: Path) -> None:
+        (folder / "state.bin").write_bytes(b"x")
+
+    def run(steps: range) -> None:
+        for step in steps:
+            storage.write_checkpoint(step, write)
+            storage.delete_checkpoints([step])
+
+    run(range(1, 21))  # warm-up: first-call caches
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        run(range(21, 221))
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 20_000, f"200 checkpoint writes kept {grown} bytes of Python memory"
