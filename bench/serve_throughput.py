@@ -44,7 +44,7 @@ from background_load import LoadShape
 from background_load import start as start_load
 from machine import machine_header  # bench/ is on sys.path when a bench script runs
 from processes import group_cpu_s, mem_available_gib, stop_group
-from serve_common import CHECK_TOKENS, Target, chat_prompts, say, set_output
+from serve_common import CHECK_TOKENS, DTYPES, Target, chat_prompts, resolved_dtype, say, set_output
 from serve_ours import start_ours, stop_ours, worker_ours
 from serve_sequential import run_sequential, worker_sequential
 from serve_vllm import start_vllm
@@ -276,7 +276,12 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads of every engine")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="auto: bfloat16 where the CPU has native bf16, else float32",
+    )
     parser.add_argument(
         "--sequential-requests", type=int, default=8, help="prompts for one-at-a-time generate"
     )
@@ -312,6 +317,7 @@ def main() -> None:
     parser.add_argument("--work-dir", help=argparse.SUPPRESS)
     parser.add_argument("--adapter-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.dtype = resolved_dtype(args.dtype)  # workers get the concrete dtype: every side runs the same
     args.load = (args.load_compute_ms, args.load_sleep_ms, args.load_seed)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.worker == "ours":

@@ -33,7 +33,17 @@ from pathlib import Path
 from typing import Any
 
 from processes import bind_cpus, thread_env  # bench/ is on sys.path when a bench script runs
-from serve_common import LORA_ALPHA, LORA_B_STD, LORA_R, LORA_SEED, MODEL, chat_prompts, dtype_of
+from serve_common import (
+    DTYPES,
+    LORA_ALPHA,
+    LORA_B_STD,
+    LORA_R,
+    LORA_SEED,
+    MODEL,
+    chat_prompts,
+    dtype_of,
+    resolved_dtype,
+)
 
 SIDES = ("lora", "merged", "ours")
 MARK = "@@side "
@@ -166,7 +176,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="sampled tokens per request (ignore_eos)")
     parser.add_argument("--repeats", type=int, default=2, help="timed rounds per side (after one warm-up)")
     parser.add_argument("--publishes", type=int, default=3, help="publishes of the step per side (median)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="auto: bfloat16 where the CPU has native bf16, else float32",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads of every engine")
     parser.add_argument("--kv-gib", type=float, default=1.0, help="vLLM KV cache (GiB)")
     parser.add_argument("--sides", default=",".join(SIDES), help="comma-separated, of " + ", ".join(SIDES))
@@ -174,6 +189,7 @@ def main() -> None:
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--adapter-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.dtype = resolved_dtype(args.dtype)  # sides get the concrete dtype: every side runs the same
     if args.side:  # a side's own process
         print(MARK + json.dumps(run_side(args.side, Path(args.adapter_dir), args)), flush=True)
         return

@@ -302,7 +302,10 @@ class ModelService:
         names: list[str] = []
         for hosted in self._models.values():
             names.append(hosted.spec.name)
-            names.extend(served_name(hosted.spec.name, s) for s in hosted.storage.steps())
+            steps = hosted.storage.steps()
+            if hosted.adapters is not None:  # vLLM merged serves its newest step only
+                steps = hosted.adapters.served_steps(steps)
+            names.extend(served_name(hosted.spec.name, s) for s in steps)
         return names
 
     # ---- training -----------------------------------------------------------------------

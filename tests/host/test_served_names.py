@@ -59,6 +59,33 @@ def test_the_vllm_router_uses_the_same_parser(tmp_path: Path) -> None:
         router.resolve("agent-001@5")
 
 
+class MergeLog(AdapterLog):
+    """The same stand-in for a merged VLLMEngine (`load_merged`): records the names merged under."""
+
+    def load_merged(self, path: Path, names: list[str]) -> None:
+        self.added = list(names)
+
+
+def test_a_merged_router_lists_only_the_step_it_serves(tmp_path: Path) -> None:
+    """/v1/models lists `name@k` from `served_steps`: every checkpoint with adapters, and with merged
+    weights only the newest step (an older `name@k` is a 404 there, so it must not be listed)."""
+    checkpoints = [0, 1, 2]
+    adapters = VLLMAdapterRouter(AdapterLog(), "agent-001", lambda step: tmp_path)
+    adapters.publish(2, tmp_path)
+    assert adapters.served_steps(checkpoints) == [0, 1, 2]
+    engine = MergeLog()
+    merged = VLLMAdapterRouter(engine, "agent-001", lambda step: tmp_path, merged=True)
+    assert merged.served_steps(checkpoints) == []  # nothing published yet
+    merged.publish(1, tmp_path)
+    assert merged.served_steps(checkpoints) == [1]
+    merged.publish(2, tmp_path)
+    assert merged.served_steps(checkpoints) == [2] and engine.added == ["agent-001", "agent-001@2"]
+    for step in merged.served_steps(checkpoints):
+        assert merged.resolve(served_name("agent-001", step)) == "agent-001@2"
+    with pytest.raises(UnknownAdapterError, match="only its newest step 2"):
+        merged.resolve("agent-001@1")
+
+
 @ASYNC
 async def test_a_bad_step_is_a_404_over_http(model: TrainableModel) -> None:
     client = model.openai_client()

@@ -231,6 +231,8 @@ async def test_local_backend_on_vllm_merged_weights_serves_the_newest_step(tmp_p
             await greedy(
                 model, "agent@0"
             )  # its checkpoint exists, but merged mode serves the newest step only
+        listed = [m.id for m in (await model.openai_client().models.list()).data]
+        assert listed == ["agent", "agent@1"]  # not agent@0, which is a 404
     finally:
         await backend.close()
 

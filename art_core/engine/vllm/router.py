@@ -95,6 +95,14 @@ class VLLMAdapterRouter:
                 self._steps[step] = name
             return name
 
+    def served_steps(self, checkpoints: list[int]) -> list[int]:
+        """Of the steps that have a checkpoint, those `resolve("model@step")` serves: all of them
+        with adapters, the newest published one alone when merged (what `/v1/models` lists)."""
+        if not self.merged:
+            return list(checkpoints)
+        with self._lock:
+            return [step for step in checkpoints if step == self._latest]
+
     def forget(self, step: int) -> None:
         """Unload adapter `model@step` (say, after its checkpoint was deleted); no-op if not loaded."""
         with self._lock:
