@@ -68,12 +68,11 @@ class TorchServing(ServingConfig):
     """How TorchEngine batches, queues and caches (`EngineConfig`); its `max_context` caps the model's."""
     replicas: int = 1
     """TorchEngines serving the model (`art serve --replicas N`). 1: the trainer's own model serves.
-    N > 1: that one and N-1 more, each on its own copy of the weights (memory: N serving copies) with
-    its own decoding thread, behind a `ReplicatedEngine` (`engine.replicas`: a rollout stays on one
-    replica, new ones go to the least-loaded, a replica that dies is routed around and rebuilt). After each train
-    step the new LoRA is copied into every replica before any serves again. The replicas share this
-    process's cores: give each `cores / N` torch threads; see docs/distributed.md. With
-    `replica_processes` (the default) all N run in child processes instead."""
+    N > 1: N replicas, each on its own copy of the weights, behind a `ReplicatedEngine`
+    (`engine.replicas`: a rollout stays on one replica, new ones go to the least-loaded, a replica
+    that dies is routed around and rebuilt); in child processes or in this process
+    (`replica_processes`). After each train step the new LoRA is copied into every replica before
+    any serves again; see docs/distributed.md."""
     replica_processes: bool = True
     """With replicas > 1: run each replica's TorchEngine in a child process of its own (`art serve
     --replica-processes`, the default), with `cores // N` torch threads each, its own copy of the

@@ -5,7 +5,8 @@ Both replicas answer over HTTP (whole and streamed) and sample what one in-proce
 the trainer's model samples, before and after a train step (the step's LoRA reaches both through
 shared memory before either serves again); a child killed with SIGKILL while idle is marked down
 at once, the server answers on, and the replica comes back serving the current step; a child that
-cannot start raises with its error.
+cannot start raises with its error. The replica mode is a checked option of `TorchServing` and
+`art serve`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import openai
 import pytest
 
+from art_core.app.cli import serving_config
 from art_core.backends import LocalBackend
 from art_core.engine.config import EngineConfig, GenerationRequest
 from art_core.engine.errors import EngineOverloadedError
@@ -152,3 +154,12 @@ def test_a_replica_process_that_cannot_start_raises_its_error() -> None:
     assert pickle.loads(pickle.dumps(constrained)) == constrained
     overloaded = pickle.loads(pickle.dumps(EngineOverloadedError("full", retry_after_s=3)))
     assert isinstance(overloaded, EngineOverloadedError) and overloaded.retry_after_s == 3
+
+
+def test_the_replica_mode_is_a_checked_option() -> None:
+    assert TorchServing().replica_processes  # processes unless asked otherwise
+    assert not serving_config("torch", [], replicas=2, replica_processes=False).replica_processes  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="replica_processes"):
+        TorchServing(replica_processes="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="torch engine"):
+        serving_config("vllm", [], replica_processes=True)

@@ -30,6 +30,7 @@ import logging
 import math
 import multiprocessing
 import pickle
+import signal
 import threading
 import time
 import traceback
@@ -386,8 +387,10 @@ def child_main(
     conn: Any, build: Callable[[], tuple[Any, Any]], lora: SharedLora, config: EngineConfig, threads: int
 ) -> None:
     """The child process: torch threads first, then the model, then serve commands until `close`
-    (or until the parent's end of the pipe closes)."""
+    (or until the parent's end of the pipe closes). Ctrl-C reaches the whole process group: the
+    child ignores it and stops when the parent closes it or exits."""
     torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         model, tokenizer = build()
         lora.read(model)
