@@ -20,7 +20,8 @@ replicas share one GIL and one OpenMP pool and do not scale on CPU (docs/distrib
 figures). All N are children, replica 0 too: the trainer's model serves none of them, so the
 parent's GIL is left to the HTTP server, the router and the trainer, and every replica is alike
 (one build, one factory, one publish path); the cost is one more copy of the weights (N + the
-trainer's). Each child builds its model with `ReplicaModel` and mirrors one `SharedLora` (shared
+trainer's). Measured at the engine level on 2 cores (bench/replica_modes.py, docs/distributed.md)
+two children were as fast as or faster than replica 0 here plus one child, never slower. Each child builds its model with `ReplicaModel` and mirrors one `SharedLora` (shared
 memory, allocated once): `ProcessLora.publish()`, with every replica paused, writes the trainer's
 LoRA there and has each child copy it in and re-merge, returning once all have; a rebuilt child
 (`ProcessReplicaFactory`) does the same in `catch_up`. A child that exits is marked down at once
