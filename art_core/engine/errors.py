@@ -45,3 +45,6 @@ class EngineOverloadedError(RuntimeError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
         """Whole seconds after which the rows ahead should have made room (see `art_core.engine.admission`)."""
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:  # pickles (a replica process sends it back)
+        return (type(self), (str(self), self.retry_after_s))

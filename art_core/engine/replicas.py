@@ -32,8 +32,9 @@ of any kind (TorchEngines, VLLMEngines), so the server and `ModelService` use it
   `replicas_down`, `replica_restarts` and `replicas_lost`; `status()` shows each replica.
 
 Replicas run where their engines run: TorchEngines in this process each decode on their own worker
-thread (torch kernels release the GIL, the Python of the decoding loop does not), a VLLMEngine in
-its own engine-core process. Left out: building the replicas (`art_core.host.torch_replicas`).
+thread (torch kernels release the GIL, the Python of the decoding loop does not), a `ProcessEngine`
+(engine.torch.process_engine) in a child process of its own, a VLLMEngine in its own engine-core
+process. Left out: building the replicas (`art_core.host.torch_replicas`).
 """
 
 from __future__ import annotations
@@ -156,10 +157,11 @@ class ReplicatedEngine:
         with self._lock:
             return [i for i, r in enumerate(self._replicas) if r.alive]
 
-    def mark_down(self, index: int, reason: str) -> None:
+    def mark_down(self, index: int, reason: str, engine: Engine | None = None) -> None:
         """Take replica `index` out of routing (its own requests fail or are retried); with a
-        `factory` it is then rebuilt."""
-        self._mark_down(index, self._replicas[index].engine, reason)
+        `factory` it is then rebuilt. Given `engine`, only if that is still replica `index`'s (a
+        late report of an engine a rebuilt one replaced changes nothing)."""
+        self._mark_down(index, self._replicas[index].engine if engine is None else engine, reason)
 
     def _mark_down(self, index: int, engine: Engine, reason: str) -> None:
         with self._lock:

@@ -9,9 +9,10 @@ Served names: `name` is the latest weights; `name@step` is a checkpoint (the lat
 the live adapter; older steps are loaded from disk on first use).
 
 Engines (`serving`, a `ServingConfig`: see `host.serving`). `TorchServing` (the default): TorchEngine
-generates from the very peft model being trained; with `replicas=N` N TorchEngines (that one and N-1
-on copies of the weights, `host.torch_replicas`) serve behind a `ReplicatedEngine`, each step's LoRA
-copied into every copy while all are paused; one that dies is rebuilt on its model. `VLLMServing`: VLLMEngine serves from its own copy of
+generates from the very peft model being trained; with `replicas=N` N TorchEngines serve behind a
+`ReplicatedEngine` (`host.torch_replicas`), each in a child process of its own (the default) or in
+this process (that one and N-1 on copies of the weights), each step's LoRA copied into every replica
+while all are paused; one that dies is rebuilt. `VLLMServing`: VLLMEngine serves from its own copy of
 the base weights (its own process; the trainer's model moves to the GPU when there is one). After each train step the
 checkpoint is hot-loaded into it before requests resume (`VLLMAdapterRouter`): `name` is the
 newest step, `name@step` exactly that step's checkpoint. The pause around the train step puts
@@ -42,7 +43,7 @@ from art_core.host.records import ModelSpec, ProgressCallback, TrainResult
 from art_core.host.serving import ServingConfig, TorchServing, VLLMServing
 from art_core.host.sinks import ObserveConfig, SinkRunner, StepRecord, build_sinks
 from art_core.host.step_record import PhaseTimer, rollout_seconds, train_record
-from art_core.host.torch_replicas import LoraCopies, torch_replicas
+from art_core.host.torch_replicas import LoraCopies, ProcessLora, process_replicas, torch_replicas
 from art_core.host.train_group import TrainGroup
 from art_core.models.loading import LoadedModel, load_model
 from art_core.rollouts.groups import TrajectoryGroup
@@ -82,8 +83,9 @@ class HostedModel:
     """VLLMEngine: the adapters serving `name` and `name@step` (None with TorchEngine)."""
     sinks: SinkRunner = field(default_factory=lambda: SinkRunner([]))
     """Where each step goes after history.jsonl (W&B, Langfuse; see `host.sinks`)."""
-    copies: LoraCopies | None = None
-    """TorchServing(replicas=N > 1): the other replicas' models, whose LoRA each step publishes to."""
+    copies: LoraCopies | ProcessLora | None = None
+    """TorchServing(replicas=N > 1): the replicas' models (in-process copies, or the replica
+    processes' shared LoRA), which each step's LoRA is published to (`publish()`)."""
     commits: BackgroundCommit = field(init=False)
     """The step commit in flight, if any (`TorchServing.overlap_checkpoint`; see `host.commits`)."""
 
@@ -166,15 +168,27 @@ class ModelService:
                     spec, loaded, TorchEngine(peft_model, loaded.tokenizer, config), trainer, storage, step
                 )
             else:
-                replicated, copies = torch_replicas(
-                    spec,
-                    peft_model,
-                    loaded.tokenizer,
-                    config,
-                    serving.replicas,
-                    serving.routing,
-                    LIVE_ADAPTER,
-                    serving.revive,
+                replicated, copies = (
+                    process_replicas(
+                        spec,
+                        peft_model,
+                        config,
+                        serving.replicas,
+                        serving.routing,
+                        LIVE_ADAPTER,
+                        serving.revive,
+                    )
+                    if serving.replica_processes
+                    else torch_replicas(
+                        spec,
+                        peft_model,
+                        loaded.tokenizer,
+                        config,
+                        serving.replicas,
+                        serving.routing,
+                        LIVE_ADAPTER,
+                        serving.revive,
+                    )
                 )
                 hosted = HostedModel(spec, loaded, replicated, trainer, storage, step, copies=copies)
         else:

@@ -68,11 +68,18 @@ class TorchServing(ServingConfig):
     """How TorchEngine batches, queues and caches (`EngineConfig`); its `max_context` caps the model's."""
     replicas: int = 1
     """TorchEngines serving the model (`art serve --replicas N`). 1: the trainer's own model serves.
-    N > 1: that one and N-1 more, each on its own copy of the weights (memory: N serving copies) with
-    its own decoding thread, behind a `ReplicatedEngine` (`engine.replicas`: a rollout stays on one
-    replica, new ones go to the least-loaded, a replica that dies is routed around and rebuilt). After each train
-    step the new LoRA is copied into every replica before any serves again. The replicas share this
-    process's cores: give each `cores / N` torch threads; see docs/distributed.md."""
+    N > 1: N replicas, each on its own copy of the weights, behind a `ReplicatedEngine`
+    (`engine.replicas`: a rollout stays on one replica, new ones go to the least-loaded, a replica
+    that dies is routed around and rebuilt); in child processes or in this process
+    (`replica_processes`). After each train step the new LoRA is copied into every replica before
+    any serves again; see docs/distributed.md."""
+    replica_processes: bool = True
+    """With replicas > 1: run each replica's TorchEngine in a child process of its own (`art serve
+    --replica-processes`, the default), with `cores // N` torch threads each, its own copy of the
+    weights (N copies and the trainer's) and each step's LoRA copied in through shared memory
+    before any serves again. False (`--replica-threads`): N TorchEngines in this process (replica 0
+    on the trainer's model), which share one GIL and one OpenMP pool and do not scale on CPU
+    (docs/distributed.md, "Several inference replicas"). Unused with one replica."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     """How requests are spread over the replicas (`RoutingConfig`); unused with one replica."""
     revive: ReviveConfig = field(default_factory=ReviveConfig)
@@ -95,6 +102,8 @@ class TorchServing(ServingConfig):
         )
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
             raise ValueError(f"TorchServing.replicas must be an int >= 1, got {self.replicas!r}")
+        if not isinstance(self.replica_processes, bool):
+            raise TypeError(f"TorchServing.replica_processes must be a bool, got {self.replica_processes!r}")
         if not isinstance(self.overlap_checkpoint, bool):
             raise TypeError(
                 f"TorchServing.overlap_checkpoint must be a bool, got {self.overlap_checkpoint!r}"

@@ -1,5 +1,5 @@
 """Several inference replicas (issue 21 item 4): `ReplicatedEngine` over two real TorchEngines on the
-tiny model, and `TorchServing(replicas=2)` behind the real HTTP server.
+tiny model, and `TorchServing(replicas=2, replica_processes=False)` behind the real HTTP server.
 
 Stickiness by rollout and by prompt prefix, new rollouts spread by load, an adapter published to
 every replica before a request can name it, a train step's LoRA reaching both replicas before
@@ -215,7 +215,7 @@ async def test_a_dead_replicas_queued_request_is_retried_on_the_other(pair: Repl
 
 
 async def test_a_train_step_reaches_every_replica_before_either_serves(tmp_path: Path) -> None:
-    service = ModelService(tmp_path, TorchServing(replicas=2))
+    service = ModelService(tmp_path, TorchServing(replicas=2, replica_processes=False))
     try:
         hosted = service.register(SPEC)
         replicated = hosted.engine
@@ -245,7 +245,7 @@ async def test_a_train_step_reaches_every_replica_before_either_serves(tmp_path:
 
 
 async def test_the_server_keeps_serving_when_a_replica_dies(tmp_path: Path) -> None:
-    backend = LocalBackend(tmp_path, serving=TorchServing(replicas=2, revive=FAST))
+    backend = LocalBackend(tmp_path, serving=TorchServing(replicas=2, replica_processes=False, revive=FAST))
     model = TrainableModel(project="replicas", name="agent", base_model="tiny-random")
     await model.register(backend)
     try:
@@ -354,7 +354,7 @@ async def greedy_on_each(replicated: ReplicatedEngine, adapter: str = LIVE_ADAPT
 
 
 async def test_a_killed_replica_comes_back_serving_the_current_step(tmp_path: Path) -> None:
-    service = ModelService(tmp_path, TorchServing(replicas=2, revive=FAST))
+    service = ModelService(tmp_path, TorchServing(replicas=2, replica_processes=False, revive=FAST))
     try:
         hosted = service.register(SPEC)
         replicated = hosted.engine
@@ -395,7 +395,7 @@ class GatedBuilds:
 
 
 async def test_a_publish_during_a_rebuild_reaches_the_rebuilt_replica(tmp_path: Path) -> None:
-    service = ModelService(tmp_path, TorchServing(replicas=2, revive=FAST))
+    service = ModelService(tmp_path, TorchServing(replicas=2, replica_processes=False, revive=FAST))
     try:
         hosted = service.register(SPEC)
         replicated = hosted.engine
