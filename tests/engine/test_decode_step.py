@@ -137,16 +137,17 @@ def test_fused_serving_copy_follows_the_trainers_weights(tiny_model: LoadedModel
     assert_close_to_model(ours, theirs.logits[:, -1].float(), peft, torch.float32)
 
 
-def test_packed_weights_give_the_same_logits_and_follow_weight_writes() -> None:
-    """bf16 decode steps through oneDNN-packed weights equal the plain ones, and a weight written in
-    place (a re-merge) is packed again before the next step uses it."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_weights_give_the_same_logits_and_follow_weight_writes(dtype: torch.dtype) -> None:
+    """Decode steps through oneDNN-packed weights (bf16, and float32 on every CPU) equal the plain
+    ones, and a weight written in place (a re-merge) is packed again before the next step uses it."""
     from art_core.engine.torch.decode_step import PACKED_WEIGHTS, fuse_projections, pack_weights
 
-    plain, packed = (tiny_llama(layers=4).to(torch.bfloat16).eval() for _ in range(2))  # the same seed
+    plain, packed = (tiny_llama(layers=4).to(dtype).eval() for _ in range(2))  # the same seed
     fuse_projections(plain)
     fuse_projections(packed)  # (not a deepcopy of `plain`: that would not keep the fused views)
-    if not pack_weights(packed):
-        pytest.skip("this torch has no oneDNN packed linear for bf16 on this CPU")
+    if not pack_weights(packed, True):
+        pytest.skip(f"this torch has no oneDNN packed linear for {dtype} on this CPU")
     ids, mask, positions = _padded_batch([[5, 9, 33, 7, 81], [44, 2]])
 
     def one_step(model: torch.nn.Module) -> torch.Tensor:
@@ -157,7 +158,7 @@ def test_packed_weights_give_the_same_logits_and_follow_weight_writes() -> None:
             return decode_step(model, torch.tensor([[3], [4]]), positions[:, -1:] + 1, step_mask, cache)
 
     before = one_step(packed)
-    assert_close_to_model(before, one_step(plain), plain, torch.bfloat16)
+    assert_close_to_model(before, one_step(plain), plain, dtype)
     packs = getattr(packed, PACKED_WEIGHTS)
     assert len(packs) == 4 * 4 + 1  # q/k/v, o, gate/up and down of each layer, and the head
     with torch.no_grad():  # a re-merge writes the fused buffer in place, through a module's view
@@ -165,4 +166,20 @@ def test_packed_weights_give_the_same_logits_and_follow_weight_writes() -> None:
             model.model.layers[0].self_attn.q_proj.weight.mul_(-3.0)
     after = one_step(packed)
     assert (after - before).abs().max() > 0.1  # the new weight is used, not the stale packed copy
-    assert_close_to_model(after, one_step(plain), plain, torch.bfloat16)
+    assert_close_to_model(after, one_step(plain), plain, dtype)
+
+
+def test_float32_packing_follows_the_cpu_and_the_setting() -> None:
+    """`pack_weights`' auto choice for float32: packed where bf16 is not native (float32 is what
+    such a CPU serves), plain where it is; False never packs, in either dtype."""
+    from art_core.engine.torch.decode_step import PACKED_WEIGHTS, pack_weights
+    from art_core.models.hardware import cpu_has_native_bf16
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    auto = tiny_llama(layers=1).eval()
+    assert pack_weights(auto) == (not cpu_has_native_bf16())
+    assert hasattr(auto, PACKED_WEIGHTS) == (not cpu_has_native_bf16())
+    for dtype in (torch.float32, torch.bfloat16):
+        never = tiny_llama(layers=1).to(dtype).eval()
+        assert not pack_weights(never, False) and not hasattr(never, PACKED_WEIGHTS)

@@ -155,7 +155,11 @@ def test_decode_steps_pack_bf16_weights_only_where_onednn_can(
     model = tiny_llama().to(torch.bfloat16)
     assert decode_step.pack_weights(model) is packs
     assert hasattr(model, decode_step.PACKED_WEIGHTS) is packs
-    assert decode_step.pack_weights(tiny_llama()) is False  # float32 weights are never packed
+    monkeypatch.setattr(decode_step, "cpu_has_native_bf16", lambda: True)
+    assert decode_step.pack_weights(tiny_llama()) is False  # float32 is not packed where bf16 is native
+    monkeypatch.setattr(decode_step, "cpu_has_native_bf16", lambda: False)
+    if torch.backends.mkldnn.is_available():  # ...and is where it is not (float32 is served there)
+        assert decode_step.pack_weights(tiny_llama()) is True
 
 
 @pytest.mark.parametrize("native", [True, False])

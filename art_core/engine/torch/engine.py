@@ -134,7 +134,9 @@ class TorchEngine:
         self._stats = EngineStats(0, 0, 0, 0)
         self._admission = Admission(config.max_queued_rows)  # counted and released holding _cond
         self._serving = (
-            serving_copy(model, config.serve_adapter, config.serve_dtype) if config.merged_serving else None
+            serving_copy(model, config.serve_adapter, config.serve_dtype, pack=config.pack_weights)
+            if config.merged_serving
+            else None
         )
         mib = config.prefix_cache_mib
         self._prefix = PrefixCache(mib * 2**20) if mib and self._serving is not None else None

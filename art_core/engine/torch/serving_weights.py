@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from art_core.engine.torch.decode_step import fuse_projections, pack_weights
+from art_core.engine.torch.decode_step import PACKED_WEIGHTS, fuse_projections, pack_weights
 from art_core.models.hardware import cpu_has_native_bf16
 
 logger = logging.getLogger(__name__)
@@ -62,13 +62,15 @@ BASE_TARGET = "__base__"
 """The `serving_copy` target that means the base model (peft's own name for "no adapter")."""
 
 
-def serving_copy(model: nn.Module, target: str | None, dtype: torch.dtype | str) -> MergedWeights | None:
+def serving_copy(
+    model: nn.Module, target: str | None, dtype: torch.dtype | str, *, pack: bool | None = None
+) -> MergedWeights | None:
     """The serving copy that `EngineConfig.serve_adapter` / `serve_dtype` ask for; None: serve `model` itself.
 
     `target` None is the active adapter of a peft model (the trainer's) or the base of a plain
     one. `dtype` "auto" is bfloat16 for a peft model where bf16 is fast (`fast_bf16`), else the
     model's dtype. A plain model already in the dtype gets no copy; neither does an adapter that
-    cannot be merged (logged: its rows then run through peft).
+    cannot be merged (logged: its rows then run through peft). `pack`: `EngineConfig.pack_weights`.
     """
     peft = peft_model_of(model)
     if target is None:
@@ -80,11 +82,12 @@ def serving_copy(model: nn.Module, target: str | None, dtype: torch.dtype | str)
     if not peft and adapter is None and dtype == model_dtype(model):
         return None
     try:
-        merged = MergedWeights(model, adapter, dtype)
+        merged = MergedWeights(model, adapter, dtype, pack=pack)
     except UnsupportedAdapterError as exc:
         logger.warning("no merged serving copy (its rows run through peft): %s", exc)
         return None
-    logger.info("serving adapter %s from a merged %s copy", target, dtype)
+    packed = " (oneDNN-packed matmul weights)" if hasattr(merged.model, PACKED_WEIGHTS) else ""
+    logger.info("serving adapter %s from a merged %s copy%s", target, dtype, packed)
     return merged
 
 
@@ -122,14 +125,16 @@ class MergedWeights:
     0.2 s for SmolLM2-135M; a full re-merge takes ~0.15 s. It never changes the source model.
     """
 
-    def __init__(self, model: nn.Module, adapter: str | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model: nn.Module, adapter: str | None, dtype: torch.dtype, *, pack: bool | None = None
+    ) -> None:
         if not dtype.is_floating_point:
             raise ValueError(f"the serving dtype must be a floating-point dtype, got {dtype}")
         self.adapter = adapter
         self.dtype = dtype
         self.model = _skeleton(base_model_of(model), dtype)
         fuse_projections(self.model)  # before the merge map: it must point at the fused buffers
-        pack_weights(self.model)
+        pack_weights(self.model, pack)
         self._structure: tuple[Any, ...] | None = None
         self._entries: dict[str, _Entry] = {}
         self.merges = 0
