@@ -10,14 +10,21 @@ for the steps that lead to a passing answer, which a small model reaches long be
 | part        | weight | earned when                                                              |
 |-------------|--------|--------------------------------------------------------------------------|
 | `completed` | 0.10   | the rollout ended with complete_task and a non-empty answer               |
-| `tool_ok`   | 0.10   | at least one server tool call returned a result (not an error)            |
-| `found`     | 0.10   | a tool result holds the expected answer (the agent looked up the right fact) |
+| `tool_ok`   | 0.05   | at least one server tool call returned a result (not an error)            |
+| `found`     | 0.25   | a tool result holds the expected answer (the agent looked up the right fact) |
 | `typed`     | 0.05   | the answer is of the expected kind (holds a number, for a "number" check) |
-| `close`     | 0.15   | "number" checks: 0.15 * max(0, 1 - |answer - expected| / max(|expected|, 1)), nearest number |
+| `close`     | 0.05   | "number" checks: 0.05 * max(0, 1 - |answer - expected| / max(|expected|, 1)), nearest number |
 
 `typed` and `close` count only after a successful tool call: in the first measured run (without
 that gate) SmolLM2 learned to skip the look-ups and end at once with some number, which earned the
 answer-form credit more cheaply (docs/benchmarks.md).
+
+`found` weighs most because looking up the right fact is the step a small model misses: in run 4
+(docs/benchmarks.md), with `close` at 0.15 and `found` at 0.10, SmolLM2 learned to call
+ship_order or receive_delivery on the named product, whose results are numbers near the stock,
+and to answer with them; a near number then paid more than the right look-up. Now the right
+look-up alone (0.05 + 0.25) outweighs a completed answer near the truth from the wrong tool
+(0.10 + 0.05 + 0.05 + at most 0.05).
 
 The partial credit is at most `MAX_PARTIAL` = 0.5, so with `check_weight` > 2/3 (default 0.7) a
 passing answer always outranks a failing one whatever RULER says (0.7 * 1 > 0.7 * 0.5 + 0.3);
@@ -53,7 +60,7 @@ RUBRIC = """\
 - Among equally good trajectories, fewer turns, fewer failed tool calls and a clearer answer score higher."""
 """The grading standards RULER is given for MCP agents."""
 
-PARTS: Mapping[str, float] = {"completed": 0.10, "tool_ok": 0.10, "found": 0.10, "typed": 0.05, "close": 0.15}
+PARTS: Mapping[str, float] = {"completed": 0.10, "tool_ok": 0.05, "found": 0.25, "typed": 0.05, "close": 0.05}
 """Partial credit for a failing answer, by part (module docstring)."""
 
 MAX_PARTIAL = sum(PARTS.values())

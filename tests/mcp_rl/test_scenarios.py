@@ -134,8 +134,20 @@ def test_the_shaped_check_orders_progress_and_a_pass_always_wins() -> None:
     assert check_credit(Scenario(id="open", task="Describe the stock."), ladder[-1]) is None
     word = Scenario(id="w", task="Which fruit is cheapest?", expected="kiwis", check="contains")
     assert credit_parts(word, "apples", ["kiwis: 0.75"]) == pytest.approx(
-        {"completed": 0.10, "tool_ok": 0.10, "found": 0.10, "typed": 0.05, "close": 0.0}
+        {"completed": 0.10, "tool_ok": 0.05, "found": 0.25, "typed": 0.05, "close": 0.0}
     )
+
+
+def test_the_right_look_up_outranks_a_wrong_tool_with_a_near_number() -> None:
+    # Run 4's reward hack: ship_order on the named product returns a number near its stock, and an
+    # answer with that number must not pay more than looking the stock up without finishing.
+    wrong_tool = check_credit(KIWIS, _rollout("There are 8 kiwis", "8"))
+    right_look_up = check_credit(KIWIS, _rollout(None, "9"))
+    right_look_up_wrong_answer = check_credit(KIWIS, _rollout("There are 40", "9"))
+    assert wrong_tool is not None and right_look_up is not None and right_look_up_wrong_answer is not None
+    assert right_look_up > wrong_tool
+    assert right_look_up_wrong_answer > wrong_tool
+    assert check_credit(KIWIS, _rollout("There are 9 kiwis", "9")) == 1.0
 
 
 @pytest.mark.asyncio(loop_scope="module")
