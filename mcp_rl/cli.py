@@ -162,8 +162,15 @@ def _show(event: str, data: dict[str, Any]) -> None:
     elif event == "scenarios":
         console.print(f"scenarios: {data['train']} train, {data['val']} val")
     elif event == "eval":
+        failed = data["exceptions"] + data["server_failures"]
+        lost = (
+            f" ({data['exceptions']} raised, {data['server_failures']} server failures; see the log)"
+            if failed
+            else ""
+        )
         console.print(
-            f"validation {data['when']}: success {data['success_rate']}, completed {data['completed_rate']:.2f}, turns {data['mean_turns']:.2f}"
+            f"validation {data['when']}: {data['rollouts']} rollouts{lost}, success {data['success_rate']}, "
+            f"completed {data['completed_rate']:.2f}, turns {data['mean_turns']:.2f}"
         )
     elif event == "step":
         reward = "n/a" if data["reward"] is None else f"{data['reward']:.3f}"
@@ -200,6 +207,7 @@ def train(
     """Connect to an MCP server, write or load scenarios, train with GRPO, report before and after."""
     from mcp_rl.agent import AgentConfig
     from mcp_rl.connection import ServerStartError
+    from mcp_rl.evaluation import EvaluationError
     from mcp_rl.pipeline import RunConfig, run
     from mcp_rl.scenarios import ScenarioFileError
     from mcp_rl.toolbox import ToolCallConfig
@@ -216,7 +224,7 @@ def train(
             tools=ToolCallConfig(timeout_s=tool_timeout, max_output_chars=max_tool_output),
         )  # fmt: skip
         summary = asyncio.run(run(config, on_event=_show))
-    except (ValueError, ServerStartError, ScenarioFileError) as exc:
+    except (ValueError, ServerStartError, ScenarioFileError, EvaluationError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
     console.print(f"report: {out / 'report.md'}")

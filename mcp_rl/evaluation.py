@@ -38,6 +38,10 @@ from mcp_rl.toolbox import ToolCallConfig
 logger = logging.getLogger(__name__)
 
 
+class EvaluationError(RuntimeError):
+    """Every rollout of an evaluation failed, so it measured nothing."""
+
+
 @dataclass
 class EvalResult:
     """What one model did on a set of scenarios."""
@@ -51,9 +55,11 @@ class EvalResult:
     mean_turns: float = 0.0
     tools: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per tool: calls, errors, error_rate."""
+    rollouts: int = 0
+    """Rollouts attempted (scenarios x rollouts each)."""
     server_failures: int = 0
     exceptions: int = 0
-    """Rollouts that raised (e.g. a server that would not start)."""
+    """Rollouts that raised (e.g. a server that would not start); the rates leave them out."""
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -61,6 +67,7 @@ class EvalResult:
             "completed_rate": self.completed_rate,
             "mean_turns": self.mean_turns,
             "tools": self.tools,
+            "rollouts": self.rollouts,
             "server_failures": self.server_failures,
             "exceptions": self.exceptions,
         }
@@ -101,14 +108,22 @@ async def evaluate(
     agent: AgentConfig | None = None,
     tool_config: ToolCallConfig | None = None,
 ) -> EvalResult:
-    """Run every scenario `rollouts` times with `model_name` and summarise (see EvalResult)."""
+    """Run every scenario `rollouts` times with `model_name` and summarise (see EvalResult).
+
+    Rollouts that raise are logged and counted in `exceptions`; when every one raised, the
+    evaluation measured nothing and `EvaluationError` says why (the first failure)."""
     jobs = [
         (s, run_agent(model, s, catalog, pool, agent=agent, tool_config=tool_config, model_name=model_name))
         for s in scenarios
         for _ in range(rollouts)
     ]
     results = await asyncio.gather(*(job for _, job in jobs), return_exceptions=True)
-    result = EvalResult()
+    result = EvalResult(rollouts=len(jobs))
+    failures = [o for o in results if isinstance(o, BaseException)]
+    if jobs and len(failures) == len(jobs):
+        raise EvaluationError(
+            f"all {len(jobs)} evaluation rollouts of {model_name} failed; the first: {failures[0]}"
+        ) from failures[0]
     done: list[Trajectory] = []
     checked: list[bool] = []
     for (scenario, _), outcome in zip(jobs, results, strict=True):
@@ -171,4 +186,12 @@ async def head_to_head(
     )
 
 
-__all__ = ["EvalResult", "HeadToHead", "check_solvable", "evaluate", "head_to_head", "tool_stats"]
+__all__ = [
+    "EvalResult",
+    "EvaluationError",
+    "HeadToHead",
+    "check_solvable",
+    "evaluate",
+    "head_to_head",
+    "tool_stats",
+]

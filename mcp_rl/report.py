@@ -22,6 +22,12 @@ def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+def _failed(evaluation: Mapping[str, Any]) -> str:
+    if not evaluation:
+        return "n/a"
+    return f"{evaluation.get('exceptions', 0)} raised, {evaluation.get('server_failures', 0)} server failures"
+
+
 def mcp_notes(summary: Mapping[str, Any], details: Mapping[str, Any], *, judged: bool = True) -> list[str]:
     """The report's MCP lines: validation before/after, per-tool calls and error rates; pure.
     `judged`: whether RULER scored the groups (False: `--judge none`, the checks alone)."""
@@ -31,6 +37,9 @@ def mcp_notes(summary: Mapping[str, Any], details: Mapping[str, Any], *, judged:
         f"tool errors {summary['tool_errors']}",
         f"validation success rate (checkable scenarios): before {_fmt(summary['val_success_before'])}, "
         f"after {_fmt(summary['val_success_after'])}",
+        f"validation rollouts: before {_fmt(before.get('rollouts'))} ({_failed(before)}), "
+        f"after {_fmt(after.get('rollouts'))} ({_failed(after)}); rollouts that raised are left out of "
+        "the rates, and a server failure counts as a failed task",
         f"validation rollouts ending with complete_task: before {_fmt(before.get('completed_rate'))}, "
         f"after {_fmt(after.get('completed_rate'))}; mean turns: before {_fmt(before.get('mean_turns'))}, "
         f"after {_fmt(after.get('mean_turns'))}",

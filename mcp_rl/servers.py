@@ -10,6 +10,11 @@ Isolation (`--isolation`):
 - `shared`: one connection for every rollout; cheapest, right for stateless servers
   (`mcp-server-time`) and for remote servers that hold state you want shared.
 
+At most `max_starting` servers start at once (by default the number of CPUs, at least 2): a
+Python MCP server spends about a second of CPU importing its SDK, so 48 validation rollouts that
+each started one at the same moment on a 2-core box took longer than the 30 s handshake timeout,
+and 47 of them failed to connect. A start waits for its turn before its timeout begins.
+
 A server that fails a rollout (`ServerFailure`) is replaced: under `shared` the pool restarts it
 once (rollouts that were using the dead one fail too, and are counted); under `per-rollout` the
 failed process is stopped with its rollout. Either way `stats.restarts` counts the replacements.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -57,14 +63,20 @@ class ServerPool:
         *,
         log_path: Path | None = None,
         start_timeout_s: float = 30.0,
+        max_starting: int | None = None,
     ) -> None:
         if isolation not in ISOLATIONS:
             raise ValueError(f"--isolation must be one of {ISOLATIONS}, got {isolation!r}")
+        if max_starting is not None and max_starting < 1:
+            raise ValueError(f"max_starting must be at least 1, got {max_starting}")
         self.spec = spec
         self.isolation = isolation
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
+        self.max_starting = max_starting or max(2, os.cpu_count() or 1)
+        """Servers that may be starting at once (module docstring)."""
         self.stats = PoolStats()
+        self._starting = asyncio.Semaphore(self.max_starting)
         self._shared: ServerConnection | None = None
         self._lock = asyncio.Lock()
         self._names = itertools.count()
@@ -79,7 +91,8 @@ class ServerPool:
             self.spec, log_path=self.log_path, start_timeout_s=self.start_timeout_s, name=name
         )
         try:
-            await connection.start()
+            async with self._starting:  # the handshake timeout counts from here
+                await connection.start()
         except Exception:
             self.stats.start_failures += 1
             raise

@@ -1,6 +1,6 @@
 """An MCP server (the SDK's MCPServer, stdio or HTTP) whose tools misbehave on purpose, for the fault tests.
 
-python tests/mcp_rl/fault_server.py [--die-at-start] [--http --port P]
+python tests/mcp_rl/fault_server.py [--die-at-start] [--slow-start SECONDS] [--http --port P]
 """
 
 from __future__ import annotations
@@ -59,12 +59,14 @@ def big(chars: int) -> str:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--die-at-start", action="store_true")
+    parser.add_argument("--slow-start", type=float, default=0.0, help="sleep before serving")
     parser.add_argument("--http", action="store_true")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
     if args.die_at_start:
         print("fault server: dying at start as asked", file=sys.stderr)
         sys.exit(3)
+    time.sleep(args.slow_start)  # a server slow to import its SDK on a busy machine
     if args.http:
         server.run("streamable-http", host="127.0.0.1", port=args.port)
     else:

@@ -15,6 +15,7 @@ from integrations.mcp import tool_calls_from_logs
 from mcp_rl.agent import AgentConfig, run_agent
 from mcp_rl.catalog import read_catalog
 from mcp_rl.connection import ServerConnection
+from mcp_rl.evaluation import EvaluationError, evaluate
 from mcp_rl.rewards import MAX_PARTIAL, PARTS, check_credit, score_group, split_failed
 from mcp_rl.scenarios import Scenario
 from mcp_rl.servers import ServerPool
@@ -117,6 +118,25 @@ async def test_a_hanging_tool_past_the_timeout_fails_the_rollout(
     )
     assert trajectory.metrics["server_failure"] is True
     assert "hang timed out" in str(trajectory.metadata["failure"]) and pool.stats.hangs == 1
+
+
+@ASYNC
+async def test_an_evaluation_whose_every_rollout_fails_is_an_error_not_a_zero(
+    model: TrainableModel, tmp_path: Path
+) -> None:
+    connection = await ServerConnection(fault_spec()).start()
+    catalog = await read_catalog(connection.client)
+    await connection.close()
+    dead = ServerPool(fault_spec("--die-at-start"), "per-rollout", log_path=tmp_path / "log")
+    with pytest.raises(
+        EvaluationError, match=r"(?s)all 4 evaluation rollouts of .* failed; .*dying at start"
+    ):
+        await evaluate(model, [FIGS, FIGS], catalog, dead, model_name=model.name, rollouts=2, agent=AGENT)
+    assert dead.stats.start_failures == 4
+    live = ServerPool(fault_spec(), "per-rollout", log_path=tmp_path / "log")
+    result = await evaluate(model, [FIGS], catalog, live, model_name=model.name, rollouts=2, agent=AGENT)
+    assert result.rollouts == 2 and result.exceptions == 0 and len(result.trajectories["figs"]) == 2
+    assert result.summary()["rollouts"] == 2
 
 
 async def test_rewards_combine_the_check_with_ruler_so_a_pass_always_wins() -> None:

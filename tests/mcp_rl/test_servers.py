@@ -3,6 +3,7 @@ ours (examples/mcp) over stdio and HTTP, mcp-server-time, mcp-server-git, and a 
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import shutil
 import subprocess
@@ -264,6 +265,34 @@ async def test_a_hung_server_fails_the_call_and_the_shared_server_is_restarted()
     finally:
         await pool.close()
     assert (pool.stats.failures, pool.stats.hangs, pool.stats.restarts, pool.stats.starts) == (1, 1, 1, 2)
+
+
+async def test_server_starts_take_turns_and_the_timeout_counts_from_each_turn(tmp_path: Path) -> None:
+    """Six per-rollout servers that each take 1.5 s to start, two at a time, under a 3 s handshake
+    timeout: they start in three waves (4.5 s or more in all) and none times out waiting its turn."""
+    pool = ServerPool(
+        fault_spec("--slow-start", "1.5"), "per-rollout", log_path=tmp_path / "log",
+        start_timeout_s=3.0, max_starting=2,
+    )  # fmt: skip
+    leased = asyncio.Event()
+    count = 0
+
+    async def rollout() -> str:
+        nonlocal count
+        async with pool.lease() as connection:
+            count += 1
+            if count == 6:
+                leased.set()
+            await leased.wait()  # every server is up at once: only their starts took turns
+            return (await call_tool(connection, FAULT_TOOLS, "counter", {}, CONFIG)).content
+
+    started = time.perf_counter()
+    answers = await asyncio.gather(*(rollout() for _ in range(6)))
+    elapsed = time.perf_counter() - started
+    assert answers == ["1"] * 6 and pool.stats.starts == 6 and pool.stats.start_failures == 0
+    assert elapsed >= 4.5
+    with pytest.raises(ValueError, match="max_starting must be at least 1"):
+        ServerPool(fault_spec(), max_starting=0)
 
 
 async def test_a_crash_mid_session_is_a_server_failure(tmp_path: Path) -> None:
