@@ -59,6 +59,16 @@ def _server_env() -> dict[str, str]:
     return env
 
 
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL after `timeout_s`; the process is reaped either way."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("art_serve")
@@ -73,12 +83,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         wait_healthy(url, process, log, api_key=KEY, timeout_s=STARTUP_TIMEOUT_S)
         yield Server(url, process, log)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout_s=15)
 
 
 async def registered(server: Server, name: str) -> tuple[TrainableModel, RemoteBackend]:

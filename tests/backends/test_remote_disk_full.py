@@ -21,7 +21,7 @@ from art_core.backends.remote import RemoteBackend, RemoteStorageFullError
 from art_core.model import TrainableModel
 from art_core.storage import ModelStorage
 from art_core.training.config import TrainConfig
-from tests.backends.test_remote import KEY, STARTUP_TIMEOUT_S, _server_env, sampled_groups
+from tests.backends.test_remote import KEY, STARTUP_TIMEOUT_S, _server_env, sampled_groups, stop_process
 from tests.host.test_faults import TMPFS_SIZE, _mount_tmpfs
 
 LR = TrainConfig(learning_rate=1e-3)
@@ -83,10 +83,5 @@ async def test_a_full_disk_under_art_serve_is_a_507_and_the_server_keeps_serving
             assert [h["step"] for h in await model.history() if "trained" in h] == [1, 2]
             assert await model.list_checkpoints() == [0, 1, 2]
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout_s=30)
         subprocess.run(["umount", "--lazy", str(small)], check=True)

@@ -34,6 +34,7 @@ from art_core.rollouts.groups import TrajectoryGroup  # noqa: E402
 from art_core.rollouts.records import Trajectory  # noqa: E402
 from art_core.training.config import TrainConfig  # noqa: E402
 from integrations import rollout  # noqa: E402
+from tests.backends.test_remote import stop_process  # noqa: E402
 
 VLLM_CPU = VLLMEngineConfig(
     dtype="float32", enforce_eager=True, max_model_len=1024, kv_cache_gib=1, max_loras=2, max_cpu_loras=4
@@ -255,12 +256,7 @@ def test_art_serve_engine_vllm_subprocess_with_remote_backend(tmp_path: Path) ->
         print(f"\nart serve --engine vllm healthy after {time.perf_counter() - started:.1f}s")
         asyncio.run(_remote_step(url))
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout_s=60)
     assert "engine vllm" in log.read_text()
 
 
