@@ -13,7 +13,7 @@ import pytest
 from art_core.model import TrainableModel
 from integrations.mcp import tool_calls_from_logs
 from mcp_rl.agent import AgentConfig, run_agent
-from mcp_rl.catalog import read_catalog
+from mcp_rl.catalog import ServerCatalog, read_catalog
 from mcp_rl.connection import ServerConnection
 from mcp_rl.evaluation import EvaluationError, evaluate
 from mcp_rl.rewards import MAX_PARTIAL, PARTS, check_credit, score_group, split_failed
@@ -33,6 +33,14 @@ async def _say(model: TrainableModel, text: str) -> None:
     await model.openai_client().chat.completions.create(
         model=model.name, messages=[{"role": "user", "content": text}], max_tokens=2
     )
+
+
+async def _fault_catalog() -> ServerCatalog:
+    connection = await ServerConnection(fault_spec()).start()
+    try:
+        return await read_catalog(connection.client)
+    finally:
+        await connection.close()
 
 
 @ASYNC
@@ -109,9 +117,7 @@ async def test_a_hanging_tool_past_the_timeout_fails_the_rollout(
     model: TrainableModel, tmp_path: Path
 ) -> None:
     pool = ServerPool(fault_spec(), "per-rollout", log_path=tmp_path / "log")
-    connection = await ServerConnection(fault_spec()).start()
-    catalog = await read_catalog(connection.client)
-    await connection.close()
+    catalog = await _fault_catalog()
     hang = AgentConfig(max_turns=2, max_tokens=48, tool_choice="hang")
     trajectory = await run_agent(
         model, FIGS, catalog, pool, agent=hang, tool_config=ToolCallConfig(timeout_s=1.0, ping_timeout_s=1.0)
@@ -124,9 +130,7 @@ async def test_a_hanging_tool_past_the_timeout_fails_the_rollout(
 async def test_an_evaluation_whose_every_rollout_fails_is_an_error_not_a_zero(
     model: TrainableModel, tmp_path: Path
 ) -> None:
-    connection = await ServerConnection(fault_spec()).start()
-    catalog = await read_catalog(connection.client)
-    await connection.close()
+    catalog = await _fault_catalog()
     dead = ServerPool(fault_spec("--die-at-start"), "per-rollout", log_path=tmp_path / "log")
     with pytest.raises(
         EvaluationError, match=r"(?s)all 4 evaluation rollouts of .* failed; .*dying at start"
