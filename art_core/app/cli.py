@@ -306,6 +306,16 @@ def serve(
             "on GPUs one per device (--engine vllm), on CPU gloo ranks. Under torchrun leave it out.",
         ),
     ] = None,
+    fsdp: Annotated[
+        bool,
+        typer.Option(
+            "--fsdp",
+            help="With --train-procs N >= 2 (or under torchrun): shard the base model's frozen Linear layers "
+            "over the training processes with FSDP2, for a base that does not fit one device; the LoRA and "
+            "checkpoints are as without it. The torch engine then serves from a replica process holding its "
+            "own copy of the weights (docs/distributed.md).",
+        ),
+    ] = False,
     replicas: Annotated[
         int | None,
         typer.Option(
@@ -356,7 +366,13 @@ def serve(
             replicas=replicas,
             replica_processes=replica_processes,
         )
-        service = ModelService(path, serving, train_group=_train_group(train_procs, serving))
+        group = _train_group(train_procs, serving, fsdp)
+        try:
+            service = ModelService(path, serving, train_group=group)
+        except BaseException:
+            if group is not None:  # its worker ranks wait for rank 0: let them go
+                group.close()
+            raise
     except (ValueError, TypeError, VLLMNotInstalledError) as exc:
         console.print(f"[red]art serve:[/] {_escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from exc
@@ -380,14 +396,15 @@ def serve(
         service.close()
 
 
-def _train_group(train_procs: int | None, serving: ServingConfig) -> TrainGroup | None:
-    """`--train-procs` / torchrun's group; a follower rank exits here once rank 0 stops."""
+def _train_group(train_procs: int | None, serving: ServingConfig, fsdp: bool) -> TrainGroup | None:
+    """`--train-procs` / torchrun's group (`--fsdp`: its ranks shard the base); a follower rank
+    exits here once rank 0 stops."""
     from art_core.host.serving import VLLMServing
     from art_core.host.train_worker import FollowerExit, train_group_for
 
     try:
         cuda = isinstance(serving, VLLMServing) and serving.device().startswith("cuda")
-        return train_group_for(train_procs, cuda=cuda)
+        return train_group_for(train_procs, cuda=cuda, fsdp=fsdp)
     except FollowerExit:
         raise typer.Exit(0) from None
 

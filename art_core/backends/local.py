@@ -39,7 +39,9 @@ class LocalBackend(ArtBackendMixin):
     with vLLM, gloo ranks on CPU); see docs/distributed.md. Under torchrun the group is
     torchrun's: rank 0 runs the script, and on every other rank this constructor follows rank 0's
     training steps and exits the process (status 0) when rank 0 closes the backend, so the same
-    script runs unchanged.
+    script runs unchanged. `fsdp=True` (with `train_procs` N >= 2 or under torchrun, else
+    `FSDPSetupError`) shards the base's frozen Linear layers over those processes with FSDP2; the
+    torch engine then serves from a replica process with its own copy of the weights.
 
     `observe` chooses where steps go besides history.jsonl (W&B, Langfuse: on by default where
     installed and configured, see `ObserveConfig`).
@@ -55,6 +57,7 @@ class LocalBackend(ArtBackendMixin):
         api_key: str | None = None,
         serving: ServingConfig | None = None,
         train_procs: int | None = None,
+        fsdp: bool = False,
         observe: ObserveConfig | None = None,
     ) -> None: ...
 
@@ -68,6 +71,7 @@ class LocalBackend(ArtBackendMixin):
         api_key: str | None = None,
         engine_config: EngineConfig,
         train_procs: int | None = None,
+        fsdp: bool = False,
         observe: ObserveConfig | None = None,
     ) -> None: ...
 
@@ -81,6 +85,7 @@ class LocalBackend(ArtBackendMixin):
         serving: ServingConfig | None = None,
         engine_config: EngineConfig | None = None,
         train_procs: int | None = None,
+        fsdp: bool = False,
         observe: ObserveConfig | None = None,
     ) -> None:
         if host not in LOOPBACK and not api_key:
@@ -91,10 +96,15 @@ class LocalBackend(ArtBackendMixin):
         serving = _serving(serving, engine_config)
         cuda = isinstance(serving, VLLMServing) and serving.device().startswith("cuda")
         try:
-            group = train_group_for(train_procs, cuda=cuda)
+            group = train_group_for(train_procs, cuda=cuda, fsdp=fsdp)
         except FollowerExit:
             raise SystemExit(0) from None
-        self.service = ModelService(path, serving, train_group=group, observe=observe)
+        try:
+            self.service = ModelService(path, serving, train_group=group, observe=observe)
+        except BaseException:
+            if group is not None:  # its worker ranks wait for rank 0: let them go
+                group.close()
+            raise
         self.host, self.port = host, port
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.recorder = RolloutRecorder()

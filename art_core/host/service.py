@@ -17,6 +17,12 @@ the base weights (its own process; the trainer's model moves to the GPU when the
 checkpoint is hot-loaded into it before requests resume (`VLLMAdapterRouter`): `name` is the
 newest step, `name@step` exactly that step's checkpoint. The pause around the train step puts
 vLLM to sleep where sleep mode is on (GPU), so training has the GPU memory.
+
+A `train_group` with `fsdp` shards the trainer's base over its ranks (`host.train_group`): that
+model runs forward passes only with every rank taking part, so no engine may run on it. TorchServing
+then serves from replica processes, one even with `replicas=1` (each loads the base weights itself
+and follows the trainer's LoRA, which stays whole); thread replicas are refused (replica 0 would
+be the trainer's model). VLLMEngine serves from its own copy anyway.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from art_core.host.serving import ServingConfig, TorchServing, VLLMServing
 from art_core.host.sinks import ObserveConfig, SinkRunner, StepRecord, build_sinks
 from art_core.host.step_record import PhaseTimer, rollout_seconds, train_record
 from art_core.host.torch_replicas import LoraCopies, ProcessLora, process_replicas, torch_replicas
-from art_core.host.train_group import TrainGroup
+from art_core.host.train_group import FSDPSetupError, TrainGroup
 from art_core.models.loading import LoadedModel, load_model
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.server.router import ServedModel, UnknownModelError
@@ -116,6 +122,10 @@ class ModelService:
         self.train_group = train_group
         self.serving = _variant(serving)
         self.observe = observe or ObserveConfig()
+        self._sharded = train_group is not None and train_group.fsdp
+        """The trainer's base is sharded (FSDP2): the engines serve copies of their own."""
+        if self._sharded:
+            _check_sharded_serving(self.serving)
         if isinstance(self.serving, VLLMServing):
             require_vllm()
         self._models: dict[str, HostedModel] = {}
@@ -163,11 +173,11 @@ class ModelService:
             config = replace(
                 serving.engine_config, max_context=_served_context(loaded, serving.engine_config.max_context)
             )
-            if serving.replicas == 1:
+            if serving.replicas == 1 and not self._sharded:
                 hosted = HostedModel(
                     spec, loaded, TorchEngine(peft_model, loaded.tokenizer, config), trainer, storage, step
                 )
-            else:
+            else:  # a sharded trainer's model serves nothing: process replicas (checked in __init__)
                 replicated, copies = (
                     process_replicas(
                         spec,
@@ -178,7 +188,7 @@ class ModelService:
                         LIVE_ADAPTER,
                         serving.revive,
                     )
-                    if serving.replica_processes
+                    if serving.replica_processes or self._sharded
                     else torch_replicas(
                         spec,
                         peft_model,
@@ -620,6 +630,16 @@ def _variant(serving: ServingConfig | None) -> TorchServing | VLLMServing:
         f"serving must be TorchServing(...) or VLLMServing(...), got {type(serving).__name__}: TorchEngine's "
         "EngineConfig goes in TorchServing(engine_config=...), vLLM's VLLMEngineConfig in VLLMServing(vllm=...)"
     )
+
+
+def _check_sharded_serving(serving: TorchServing | VLLMServing) -> None:
+    """FSDPSetupError where an engine would run on the trainer's sharded model: thread replicas."""
+    if isinstance(serving, TorchServing) and serving.replicas > 1 and not serving.replica_processes:
+        raise FSDPSetupError(
+            "with --fsdp the trainer's model is sharded over the training processes and cannot serve, but "
+            "--replica-threads serves replica 0 from it: use replica processes (--replica-processes, "
+            "TorchServing(replica_processes=True), the default) or drop --fsdp"
+        )
 
 
 def _check_lora_rank(spec: ModelSpec, config: VLLMEngineConfig) -> None:

@@ -67,7 +67,8 @@ class TorchServing(ServingConfig):
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     """How TorchEngine batches, queues and caches (`EngineConfig`); its `max_context` caps the model's."""
     replicas: int = 1
-    """TorchEngines serving the model (`art serve --replicas N`). 1: the trainer's own model serves.
+    """TorchEngines serving the model (`art serve --replicas N`). 1: the trainer's own model serves
+    (one replica process instead where the trainer's base is sharded: `art serve --fsdp`).
     N > 1: N replicas, each on its own copy of the weights, behind a `ReplicatedEngine`
     (`engine.replicas`: a rollout stays on one replica, new ones go to the least-loaded, a replica
     that dies is routed around and rebuilt); in child processes or in this process

@@ -11,6 +11,12 @@ broadcasts what to do before it does it (register, train a batch, load a checkpo
 JSON over the process group (art_core.training.distributed), and every rank then runs the same
 collective steps. Rank 0 writes the checkpoints (ModelStorage's atomic folders); a resume sends
 the checkpoint's files to the other ranks, so nodes need no shared filesystem.
+
+`fsdp` (`art serve --fsdp`, `LocalBackend(fsdp=True)`): every rank shards its copy's frozen base
+Linear layers with FSDP2 (`shard_base_linears`) before building its trainer, and trains in
+lockstep; the LoRA stays replicated, so checkpoints are the same files as without it. The sharded
+model can then run forward passes only with every rank taking part, so nothing serves from it:
+`ModelService` serves from a copy of its own (`host.service`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,14 @@ from peft import PeftModel
 
 from art_core.training.batch import PreparedBatch, TrainingExample
 from art_core.training.config import LoRAConfig, LossConfig, TrainConfig
-from art_core.training.distributed import World, broadcast_files, broadcast_json, close_world, init_world
+from art_core.training.distributed import (
+    World,
+    broadcast_files,
+    broadcast_json,
+    close_world,
+    init_world,
+    shard_base_linears,
+)
 from art_core.training.sequences import TokenSequence
 from art_core.training.trainer import Trainer
 
@@ -40,6 +53,11 @@ WORKER_MODULE = "art_core.host.train_worker"
 
 class TrainWorkerError(RuntimeError):
     """A training rank exited; the group cannot train until the service restarts."""
+
+
+class FSDPSetupError(ValueError):
+    """FSDP was asked for where the base cannot be sharded (one training process, or an engine that
+    would serve from the trainer's sharded model); the message says what to pass instead."""
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
@@ -105,15 +123,21 @@ def lora_from_json(data: dict[str, Any]) -> LoRAConfig:
 class TrainGroup:
     """Rank 0's handle on the other training ranks (see the module docstring)."""
 
-    def __init__(self, world: World, workers: list[subprocess.Popen[bytes]] | None = None) -> None:
+    def __init__(
+        self, world: World, workers: list[subprocess.Popen[bytes]] | None = None, *, fsdp: bool = False
+    ) -> None:
+        """`fsdp`: every rank shards its model's frozen base Linear layers (see the module docstring)."""
         if not world.is_main:
             raise ValueError(f"a TrainGroup runs on rank 0; this is rank {world.rank}")
         self.world = world
         self.workers = workers or []
+        self.fsdp = fsdp
         self._closed = False
 
     @classmethod
-    def spawn(cls, procs: int, *, device: str = "cpu", timeout_s: float = 600.0) -> TrainGroup:
+    def spawn(
+        cls, procs: int, *, device: str = "cpu", timeout_s: float = 600.0, fsdp: bool = False
+    ) -> TrainGroup:
         """Start `procs - 1` worker ranks on this machine and join them (device "cpu": gloo;
         "cuda": rank i on cuda:i, NCCL)."""
         if procs < 2:
@@ -136,14 +160,15 @@ class TrainGroup:
             for worker in workers:
                 worker.kill()
             raise
-        logger.info("training on %d processes (%s)", procs, world.backend)
-        return cls(world, workers)
+        sharding = ", the base sharded by FSDP2" if fsdp else ""
+        logger.info("training on %d processes (%s)%s", procs, world.backend, sharding)
+        return cls(world, workers, fsdp=fsdp)
 
     @classmethod
-    def from_env(cls, world: World, timeout_s: float = 1800.0) -> TrainGroup:
+    def from_env(cls, world: World, timeout_s: float = 1800.0, *, fsdp: bool = False) -> TrainGroup:
         """Rank 0 of a group that torchrun started (the other ranks run `train_worker.follow`)."""
         init_world(world, timeout_s=timeout_s)
-        return cls(world)
+        return cls(world, fsdp=fsdp)
 
     def send(self, message: dict[str, Any]) -> None:
         dead = [w.pid for w in self.workers if w.poll() is not None]
@@ -164,7 +189,8 @@ class TrainGroup:
         adapter_name: str,
         trust_remote_code: bool = False,
     ) -> GroupTrainer:
-        """Rank 0's trainer of model `name`; every other rank builds the same model and trainer."""
+        """Rank 0's trainer of model `name`; every other rank builds the same model and trainer
+        (with `fsdp`, each shards its model's base first: `peft_model` here too)."""
         self.send(
             {
                 "op": "register",
@@ -174,9 +200,14 @@ class TrainGroup:
                 "pad_id": pad_id,
                 "adapter_name": adapter_name,
                 "trust_remote_code": trust_remote_code,
+                "fsdp": self.fsdp,
             }
         )
-        return GroupTrainer(self, name, peft_model, pad_id=pad_id, adapter_name=adapter_name)
+        if self.fsdp:
+            shard_for_training(peft_model, self.world)
+        return GroupTrainer(
+            self, name, peft_model, pad_id=pad_id, adapter_name=adapter_name, lockstep=self.fsdp
+        )
 
     def close(self) -> None:
         if self._closed:
@@ -194,15 +225,41 @@ class TrainGroup:
             close_world()
 
 
+def shard_for_training(model: PeftModel, world: World) -> None:
+    """`shard_base_linears` on one rank of an `fsdp` group: the same on every rank, since they all
+    load the same base; a model with nothing to shard fails on every rank alike."""
+    sharded = shard_base_linears(model, world)
+    if not sharded:
+        raise FSDPSetupError(
+            f"{type(model.get_base_model()).__name__} has no frozen nn.Linear in decoder layers to shard; "
+            "train it without --fsdp"
+        )
+    logger.info(
+        "rank %d: %d base Linear layers sharded over %d ranks (FSDP2)", world.rank, sharded, world.world_size
+    )
+
+
 class GroupTrainer(Trainer):
     """A `Trainer` on rank 0 that has the other ranks do the same step."""
 
     def __init__(
-        self, group: TrainGroup, name: str, model: PeftModel, *, pad_id: int, adapter_name: str
+        self,
+        group: TrainGroup,
+        name: str,
+        model: PeftModel,
+        *,
+        pad_id: int,
+        adapter_name: str,
+        lockstep: bool = False,
     ) -> None:
         self.group, self.name = group, name
         super().__init__(
-            model, pad_id=pad_id, adapter_name=adapter_name, config=TrainConfig(), world=group.world
+            model,
+            pad_id=pad_id,
+            adapter_name=adapter_name,
+            config=TrainConfig(),
+            world=group.world,
+            lockstep=lockstep,
         )
 
     def train_step(self, batch: PreparedBatch, config: TrainConfig | None = None) -> dict[str, float]:

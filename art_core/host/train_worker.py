@@ -9,6 +9,9 @@ torchrun's environment. `train_group_for` picks the group a service trains on:
   `torchrun --nnodes 2 --nproc-per-node 8 --node-rank R --rdzv-endpoint HOST:29500
   -m art_core.app.cli serve ...`): global rank 0 serves, every other rank follows rank 0's steps
   (`follow`) and exits when the server stops.
+
+With `fsdp` (`--fsdp`) each rank shards its copy of the base (`shard_for_training`) before it
+builds the model's trainer; rank 0 says so in each model's register message.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from art_core.host.train_group import TrainGroup, config_from_json, examples_from_json, lora_from_json
+from art_core.host.train_group import (
+    FSDPSetupError,
+    TrainGroup,
+    config_from_json,
+    examples_from_json,
+    lora_from_json,
+    shard_for_training,
+)
 from art_core.models.loading import load_model
 from art_core.training.batch import PreparedBatch
 from art_core.training.config import TrainConfig
@@ -65,12 +75,16 @@ def _build_trainer(message: dict[str, Any], world: World) -> Trainer:
     loaded = load_model(message["base_model"], trust_remote_code=bool(message["trust_remote_code"]))
     loaded.model.to(world.device)  # type: ignore[arg-type]  # transformers types `to` oddly
     model = attach_lora(loaded.model, lora_from_json(message["lora"]), adapter_name=message["adapter_name"])
+    fsdp = bool(message["fsdp"])
+    if fsdp:
+        shard_for_training(model, world)
     return Trainer(
         model,
         pad_id=message["pad_id"],
         adapter_name=message["adapter_name"],
         config=TrainConfig(),
         world=world,
+        lockstep=fsdp,
     )
 
 
@@ -79,10 +93,11 @@ class FollowerExit(Exception):
 
 
 def train_group_for(
-    train_procs: int | None, *, cuda: bool, env: Mapping[str, str] | None = None
+    train_procs: int | None, *, cuda: bool, fsdp: bool = False, env: Mapping[str, str] | None = None
 ) -> TrainGroup | None:
     """The TrainGroup for `art serve` (None: train in-process). A follower rank under torchrun
-    runs its loop here and raises FollowerExit when rank 0 stops."""
+    runs its loop here and raises FollowerExit when rank 0 stops. `fsdp`: shard the base over the
+    group's ranks (FSDPSetupError without a group of 2 or more)."""
     env = os.environ if env is None else env
     world = world_from_env(env, cuda=cuda)
     if world is not None:
@@ -91,13 +106,21 @@ def train_group_for(
                 "--train-procs starts its own processes; under torchrun the group is torchrun's: drop one"
             )
         if world.is_main:
-            return TrainGroup.from_env(world)
+            return TrainGroup.from_env(world, fsdp=fsdp)
         init_world(world)
         try:
             follow(world)
         finally:
             close_world()
         raise FollowerExit
+    if fsdp and (train_procs is None or train_procs < 2):
+        procs = 1 if train_procs is None else train_procs
+        raise FSDPSetupError(
+            f"--fsdp shards the base model over several training processes, but --train-procs is {procs} "
+            "and this process is not one of several torchrun ranks: pass --train-procs N with N >= 2 "
+            "(LocalBackend(train_procs=N, fsdp=True)), run under torchrun with 2 or more processes, "
+            "or drop --fsdp"
+        )
     if train_procs is None or train_procs == 1:
         return None
     if train_procs < 1:
@@ -110,7 +133,7 @@ def train_group_for(
                 f"--train-procs {train_procs} needs {train_procs} CUDA devices; this machine has "
                 f"{torch.cuda.device_count()}"
             )
-    return TrainGroup.spawn(train_procs, device="cuda" if cuda else "cpu")
+    return TrainGroup.spawn(train_procs, device="cuda" if cuda else "cpu", fsdp=fsdp)
 
 
 def main() -> None:
