@@ -13,7 +13,9 @@ learning rate and one AdamW step with the gradient norm clipped to 1.0.
   Gradient checkpointing is left at TRL's default (on). `--trl-full` also times TRL's real step,
   generation of 8 x 64 tokens included (printed, not part of the JSON).
 - matmul: the machine's fp32 and bf16 `torch.mm` throughput (2048 x 2048, best of 5), for the fraction
-  of it that our step reaches.
+  of it that our step reaches: the time its matmul FLOPs would take at the rate of the precision each
+  runs in (at the mixed precision on a CPU with native bf16: the frozen base projections at the bf16
+  rate, the rest at the auto rate), divided by the step's time.
 
 Each runs in its own subprocess (this file with `--worker NAME`), so each peak RSS (`ru_maxrss`) is its
 own, with the same torch thread count. The two trainers' processes run side by side but take turns
@@ -338,6 +340,9 @@ def worker_matmul(args: argparse.Namespace, steps: Steps) -> dict[str, Any]:
             torch.mm(a, b)
             best = min(_timed(torch.mm, a, b) for _ in range(5))
         result[name] = 2 * n**3 / best / 1e9
+    from art_core.training.precision import resolve_precision
+
+    result["bf16_base"] = resolve_precision("auto", torch.device("cpu")) == "bf16"
     return result
 
 
@@ -396,18 +401,22 @@ def step_flops(
     head = 2 * model["vocab"] * h * n * completion
     length = prompt + completion - 1  # input positions of one sequence
 
-    def positions(first: int, last: int, copies: int) -> float:
-        """Forward + backward of positions [first, last) for `copies` sequences."""
+    def positions(first: int, last: int, copies: int, only_base: bool = False) -> float:
+        """Forward + backward of positions [first, last) for `copies` sequences (`only_base`: the
+        frozen base projections' share of it)."""
+        if only_base:
+            return copies * 2 * base * (last - first)
         keys = sum(p + 1 for p in range(first, last))
         return copies * ((2 * base + 3 * lora) * (last - first) + 3 * per_key * keys)
 
     naive = positions(0, length, n) + 2 * head
     executed = positions(0, shared_prefix, 1) + positions(shared_prefix, length, n) + 2 * head
+    executed_base = positions(0, shared_prefix, 1, True) + positions(shared_prefix, length, n, True)
     # TRL on CPU: every position through the head (forward, recomputed forward, backward) and, with
     # gradient checkpointing, a second forward of the decoder during backward.
     keys = n * sum(p + 1 for p in range(length))
     trl = (3 * base + 4 * lora) * n * length + 4 * per_key * keys + 3 * head * length / completion
-    return {"naive": naive, "executed": executed, "trl": trl}
+    return {"naive": naive, "executed": executed, "executed_base": executed_base, "trl": trl}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -475,8 +484,9 @@ def main() -> None:
         "--precision",
         choices=["mixed", "fp32"],
         default="mixed",
-        help="float32 weights' matmuls: each trainer's default mixed precision (ours: bf16 fast-math "
-        "matmuls where the CPU has native bf16; TRL: bf16=True autocast), or exact fp32 on both sides",
+        help="float32 weights' matmuls: each trainer's default mixed precision (ours: the frozen base "
+        "projections on bf16 copies and bf16 fast-math for the rest, where the CPU has native bf16; "
+        "TRL: bf16=True autocast), or exact fp32 on both sides",
     )
     parser.add_argument("--trl-full", action="store_true", help="also time TRL's step with generation")
     parser.add_argument("--skip-trl", action="store_true", help="only our trainer (for development)")
@@ -569,14 +579,25 @@ def report(
             f"at {flops['trl'] / 1e9 / trl_s:.0f} GFLOP/s"
         )
     kind = "bfloat16" if args.dtype == "bfloat16" else ("mixed" if args.precision == "mixed" else "float32")
-    peak = matmul[kind]
-    fraction = flops["executed"] / 1e9 / ours_s / peak
+    executed = flops["executed"] / 1e9
+    # The time the step's matmuls would take at the 2048^3 rate of the precision each runs in. At
+    # the mixed precision on a CPU with native bf16, the frozen base projections run on bf16
+    # tensors (art_core/training/bf16_base.py) and the rest (LoRA, attention, head) at the auto
+    # precision.
+    if kind == "mixed" and matmul.get("bf16_base"):
+        base = flops["executed_base"] / 1e9
+        ideal_s = base / matmul["bfloat16"] + (executed - base) / matmul["mixed"]
+        reference = f"{base:.0f} GFLOP of frozen base projections at the bf16 rate, the rest at the auto rate"
+    else:
+        ideal_s = executed / matmul[kind]
+        reference = f"the {kind} mm throughput"
+    fraction = ideal_s / ours_s
     print(
         f"matmul: fp32 {matmul['float32']:.0f} GFLOP/s, bf16 {matmul['bfloat16']:.0f} GFLOP/s, "
         f"fp32 at the trainer's auto precision {matmul['mixed']:.0f} GFLOP/s "
-        f"(2048^3 mm, best of 5); our step runs {flops['executed'] / 1e9:.0f} GFLOP "
-        f"({flops['naive'] / 1e9:.0f} without prefix sharing) at {flops['executed'] / 1e9 / ours_s:.0f} GFLOP/s "
-        f"= {fraction:.1%} of the {kind} mm throughput"
+        f"(2048^3 mm, best of 5); our step runs {executed:.0f} GFLOP "
+        f"({flops['naive'] / 1e9:.0f} without prefix sharing) at {executed / ours_s:.0f} GFLOP/s "
+        f"= {fraction:.1%} of the matmul rate ({reference}: {ideal_s:.3f} s)"
     )
     result = {
         "ours_s": round(ours_s, 3),

@@ -4,9 +4,12 @@ The trainer keeps its weights, activations, gradients and optimizer state in the
 (float32 on a CPU by default). What this module chooses is only how a float32 matmul is computed:
 
 - "ieee": exact float32 products.
-- "bf16": inputs rounded to bfloat16, products accumulated in float32 (oneDNN's fast-math mode on
-  CPUs with native bf16 instructions, AVX512-BF16 or AMX). The CPU analogue of TF32; about 3x
-  faster matmuls on such CPUs, at bf16 input rounding (log-probs move by ~0.01-0.04 nats).
+- "bf16": inputs rounded to bfloat16, products accumulated in float32, on CPUs with native bf16
+  instructions (AVX512-BF16 or AMX). The CPU analogue of TF32. The trainer computes its frozen base
+  projections (almost all of a step's FLOPs) on bf16 copies of their weights (`training.bf16_base`),
+  their outputs rounded to bf16 as under autocast; every other float32 matmul runs in oneDNN's
+  fast-math mode, which rounds to bf16 with AMX but computes exact float32 on AVX512-BF16 CPUs
+  without it (torch 2.13). Log-probs move by ~0.01-0.04 nats.
 - "tf32": TF32 tensor cores on CUDA GPUs (Ampere and newer).
 - "auto": "bf16" on a CPU with native bf16, "tf32" on a CUDA GPU, "ieee" otherwise.
 

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from art_core.models.allocator import HeapTrimmer
 from art_core.training.batch import BatchTotals, PreparedBatch, TrainingExample, collate, micro_batches
+from art_core.training.bf16_base import Bf16BaseWeights
 from art_core.training.config import TrainConfig
 from art_core.training.distributed import (
     World,
@@ -136,6 +137,8 @@ class Trainer:
         )
         self._rng: dict[str, Tensor] = {"torch_cpu": torch.Generator().manual_seed(seed).get_state()}
         self._decoder, self._head = decoder_and_head(model)
+        self._bf16_base = Bf16BaseWeights()
+        """The "bf16" precision on CPU: bf16 copies of the frozen base weights (`training.bf16_base`)."""
         self._share_prefixes = share_prefixes and not has_dropout(model)
         """One dropout draw for a shared prefix would replace one per row, so dropout turns sharing off."""
         self.world = world if world is not None and world.world_size > 1 else None
@@ -239,7 +242,13 @@ class Trainer:
             raise ValueError("forward_backward needs at least one example")
         batch = {key: value.to(self.device) for key, value in collate(examples, self.pad_id).items()}
         positions = batch["mask"] > 0
-        with self._training_mode(), matmul_precision(self.config.matmul_precision, self.device):
+        with (
+            self._training_mode(),
+            matmul_precision(self.config.matmul_precision, self.device) as precision,
+            self._bf16_base.applied(self.model, self.adapter_name)
+            if precision == "bf16" and self.device.type == "cpu"
+            else contextlib.nullcontext(),
+        ):
             ref = self._ref_logprobs(batch, positions)
             entropy: list[float] = []
             logprobs, prefix = self._logprobs(batch, positions, entropy)
