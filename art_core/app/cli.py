@@ -8,6 +8,8 @@ import asyncio
 import ipaddress
 import json
 import logging
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, fields
@@ -20,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 if TYPE_CHECKING:
+    from art_core.host.service import ModelService
     from art_core.host.serving import ServingConfig
     from art_core.host.train_group import TrainGroup
 
@@ -357,43 +360,74 @@ def serve(
     from art_core.server.middleware import MAX_BODY_BYTES, MAX_CONCURRENT_REQUESTS
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[_rich_handler()])
-    try:
-        serving = serving_config(
-            engine.value,
-            vllm_option or [],
-            max_queued_rows=max_queued_rows,
-            prefix_cache_mib=prefix_cache_mib,
-            replicas=replicas,
-            replica_processes=replica_processes,
-        )
-        group = _train_group(train_procs, serving, fsdp)
+    with _sigterm_as_ctrl_c():
         try:
-            service = ModelService(path, serving, train_group=group)
-        except BaseException:
-            if group is not None:  # its worker ranks wait for rank 0: let them go
-                group.close()
-            raise
-    except (ValueError, TypeError, VLLMNotInstalledError) as exc:
-        console.print(f"[red]art serve:[/] {_escape(str(exc))}", soft_wrap=True)
-        raise typer.Exit(2) from exc
-    max_in_flight = max_concurrent_requests or MAX_CONCURRENT_REQUESTS
-    shown = f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{port}"
-    auth = "an API key is required" if api_key else "no API key (loopback only)"
-    console.print(
-        f"art serve: {url} (OpenAI base URL {url}/v1), storage {path}, {auth}, engine {serving.engine}",
-        soft_wrap=True,
-    )
+            serving = serving_config(
+                engine.value,
+                vllm_option or [],
+                max_queued_rows=max_queued_rows,
+                prefix_cache_mib=prefix_cache_mib,
+                replicas=replicas,
+                replica_processes=replica_processes,
+            )
+            group = _train_group(train_procs, serving, fsdp)
+            try:
+                service = ModelService(path, serving, train_group=group)
+            except BaseException:
+                if group is not None:  # its worker ranks wait for rank 0: let them go
+                    group.close()
+                raise
+        except (ValueError, TypeError, VLLMNotInstalledError) as exc:
+            console.print(f"[red]art serve:[/] {_escape(str(exc))}", soft_wrap=True)
+            raise typer.Exit(2) from exc
+        try:
+            max_in_flight = max_concurrent_requests or MAX_CONCURRENT_REQUESTS
+            shown = f"[{host}]" if ":" in host else host
+            url = f"http://{shown}:{port}"
+            auth = "an API key is required" if api_key else "no API key (loopback only)"
+            console.print(
+                f"art serve: {url} (OpenAI base URL {url}/v1), storage {path}, {auth}, engine {serving.engine}",
+                soft_wrap=True,
+            )
+            app = create_server_app(
+                service,
+                api_key=api_key,
+                max_concurrent_requests=max_in_flight,
+                max_body_bytes=max_body_mib * 2**20 if max_body_mib else MAX_BODY_BYTES,
+            )
+            # On SIGINT/SIGTERM uvicorn stops accepting, lets the requests in flight finish (a
+            # train step commits), then re-raises the signal: a KeyboardInterrupt it swallows.
+            uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S)
+        finally:
+            _close_service(service)
+
+
+@contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM within the block acts as SIGINT (Ctrl-C): a KeyboardInterrupt, which `serve`'s
+    cleanup and uvicorn's graceful shutdown handle. Python's default SIGTERM (terminate at once)
+    would otherwise end the process when uvicorn re-raises the SIGTERM it shut down on, skipping
+    `ModelService.close`: the training ranks would never be told to stop (exit -15, and each
+    follower a "Connection closed by peer" traceback)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        app = create_server_app(
-            service,
-            api_key=api_key,
-            max_concurrent_requests=max_in_flight,
-            max_body_bytes=max_body_mib * 2**20 if max_body_mib else MAX_BODY_BYTES,
-        )
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S)
+        yield
     finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _close_service(service: ModelService) -> None:
+    """`service.close()`; a training rank that had crashed ends `art serve` with status 1."""
+    from art_core.host.train_group import TrainWorkerError
+
+    try:
         service.close()
+    except TrainWorkerError as exc:
+        console.print(f"[red]art serve:[/] {_escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(1) from exc
 
 
 def _train_group(train_procs: int | None, serving: ServingConfig, fsdp: bool) -> TrainGroup | None:

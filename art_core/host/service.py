@@ -50,7 +50,7 @@ from art_core.host.serving import ServingConfig, TorchServing, VLLMServing
 from art_core.host.sinks import ObserveConfig, SinkRunner, StepRecord, build_sinks
 from art_core.host.step_record import PhaseTimer, rollout_seconds, train_record
 from art_core.host.torch_replicas import LoraCopies, ProcessLora, process_replicas, torch_replicas
-from art_core.host.train_group import FSDPSetupError, TrainGroup
+from art_core.host.train_group import FSDPSetupError, TrainGroup, TrainWorkerError
 from art_core.models.loading import LoadedModel, load_model
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.server.router import ServedModel, UnknownModelError
@@ -539,7 +539,8 @@ class ModelService:
         return hosted.storage.delete_checkpoints(keep_set)
 
     def close(self) -> None:
-        """Finish every commit in flight, close sinks and engines; then raise the first commit that failed."""
+        """Finish every commit in flight, close sinks and engines, stop the train group; then raise
+        the first commit that failed, else the group's TrainWorkerError (a training rank had crashed)."""
         failed: list[Exception] = []
         for hosted in self._models.values():
             try:
@@ -550,7 +551,12 @@ class ModelService:
             hosted.engine.close()
         self._models.clear()
         if self.train_group is not None:
-            self.train_group.close()
+            try:
+                self.train_group.close()
+            except TrainWorkerError as exc:  # a rank had crashed: raised, or logged behind a failed commit
+                if not failed:
+                    raise
+                logger.error("%s", exc)
         if failed:
             raise failed[0]
 

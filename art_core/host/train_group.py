@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 WORKER_MODULE = "art_core.host.train_worker"
 
 
+STOP_TIMEOUT_S = 60.0
+"""How long `TrainGroup.close` waits for each rank it started to exit after the stop message."""
+
+
 class TrainWorkerError(RuntimeError):
     """A training rank exited; the group cannot train until the service restarts."""
 
@@ -210,19 +214,38 @@ class TrainGroup:
         )
 
     def close(self) -> None:
+        """Tell the other ranks to stop and wait for them (each gets STOP_TIMEOUT_S, then SIGKILL).
+
+        Raises TrainWorkerError, once all are gone, if a rank this group started had exited with
+        an error or had to be killed; a stopped rank exits with status 0."""
         if self._closed:
             return
         self._closed = True
+        failed: list[str] = []
+        stop_error: Exception | None = None
         try:
             if all(w.poll() is None for w in self.workers):
                 broadcast_json({"op": "stop"}, self.world)
+        except Exception as exc:  # a rank died meanwhile (its status is reported below), or the group broke
+            stop_error = exc
         finally:
-            for worker in self.workers:
+            for rank, worker in enumerate(self.workers, start=1):
                 try:
-                    worker.wait(timeout=60)
+                    status = worker.wait(timeout=STOP_TIMEOUT_S)
                 except subprocess.TimeoutExpired:
                     worker.kill()
+                    worker.wait()
+                    failed.append(
+                        f"rank {rank} (pid {worker.pid}) did not stop within {STOP_TIMEOUT_S:g} s: killed"
+                    )
+                else:
+                    if status != 0:
+                        failed.append(f"rank {rank} (pid {worker.pid}) exited with status {status}")
             close_world()
+        if failed:
+            raise TrainWorkerError(f"training worker {'; '.join(failed)} (see its stderr)") from stop_error
+        if stop_error is not None:
+            raise stop_error
 
 
 def shard_for_training(model: PeftModel, world: World) -> None:

@@ -16,10 +16,13 @@ builds the model's trainer; rank 0 says so in each model's register message.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import tempfile
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +52,14 @@ logger = logging.getLogger(__name__)
 
 
 def follow(world: World) -> None:
-    """Run rank 0's messages until it says stop (the process group must be joined)."""
+    """Run rank 0's messages until it says stop (the process group must be joined).
+
+    SIGINT and SIGTERM are ignored meanwhile: a Ctrl-C in the terminal, `kill` of the process
+    group or a supervisor's stop reaches every rank at once, and a follower that died of it would
+    break the group under rank 0's orderly shutdown. Rank 0 handles them (`art serve` shuts down
+    and sends stop); if rank 0 dies instead, the next collective fails here, loudly."""
     trainers: dict[str, Trainer] = {}
-    with tempfile.TemporaryDirectory(prefix=f"art-rank{world.rank}-") as scratch:
+    with _signals_ignored(), tempfile.TemporaryDirectory(prefix=f"art-rank{world.rank}-") as scratch:
         while True:
             message: dict[str, Any] = broadcast_json(None, world)
             op = message["op"]
@@ -69,6 +77,20 @@ def follow(world: World) -> None:
                 trainers[message["name"]].load_state(broadcast_files(None, world, into))
             else:
                 raise RuntimeError(f"rank {world.rank}: unknown message {op!r} from rank 0")
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored within the block (in the main thread; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _build_trainer(message: dict[str, Any], world: World) -> Trainer:

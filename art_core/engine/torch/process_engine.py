@@ -387,10 +387,12 @@ def child_main(
     conn: Any, build: Callable[[], tuple[Any, Any]], lora: SharedLora, config: EngineConfig, threads: int
 ) -> None:
     """The child process: torch threads first, then the model, then serve commands until `close`
-    (or until the parent's end of the pipe closes). Ctrl-C reaches the whole process group: the
-    child ignores it and stops when the parent closes it or exits."""
+    (or until the parent's end of the pipe closes). Ctrl-C, and a SIGTERM to the process group (a
+    supervisor's stop), reach the whole group: the child ignores both and stops when the parent
+    closes it or exits."""
     torch.set_num_threads(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         model, tokenizer = build()
         lora.read(model)
