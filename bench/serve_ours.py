@@ -34,9 +34,11 @@ from serve_common import (
 
 def worker_ours(args: argparse.Namespace) -> None:
     """Register the model on a LocalBackend, put the random adapter into the live LoRA, serve it."""
+    from art_core.engine.onednn import bound_primitive_caches
     from art_core.engine.openmp import prefer_passive_wait, wait_policy
 
     prefer_passive_wait()  # what the `art` CLI does; before torch loads its OpenMP
+    bound_primitive_caches()  # and its oneDNN primitive caches
     import torch
 
     from art_core.backends.local import LocalBackend

@@ -27,7 +27,8 @@ process from /proc/PID:
 Flat means a slope near 0 against RSS in the hundreds of MB: a leak of 1 KB a request is
 10 MB per 10k. The last line of stdout is one JSON object with those keys and `train_steps`,
 `train_peak_first_mb`, `train_peak_last_mb`, `train_s`, `requests`, `ok`, `rejected_429_503`,
-`other_errors`, `p50_s`, `p99_s`, `serve_rss_start_mb`, `serve_rss_end_mb`, `serve_s`,
+`other_errors`, `p50_s`, `p99_s`, `serve_rss_start_mb`, `serve_rss_end_mb`, `serve_rss_readings_mb` (every
+`--sample-every` requests, from the start), `serve_s`,
 `peak_rss_mb`; the first line is the CPU (`machine.machine_header`).
 """
 
@@ -129,6 +130,7 @@ async def serve_phase(serve: ArtServe, args: argparse.Namespace) -> dict[str, An
         "serve_rss_slope_all_mb_per_10k": slope_of(points, 10_000),
         "serve_rss_start_mb": round(start.rss_mb, 1),
         "serve_rss_end_mb": round(end.rss_mb, 1),
+        "serve_rss_readings_mb": [round(rss) for _, rss in points],
         "fd_start": start.fds,
         "fd_end": fd_end,
         "fd_max": fd_max,

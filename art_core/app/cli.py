@@ -537,9 +537,11 @@ def _quiet_logs() -> None:
 
 
 def main() -> None:
+    from art_core.engine.onednn import bound_primitive_caches
     from art_core.engine.openmp import prefer_passive_wait
 
     prefer_passive_wait()  # before anything imports torch: its OpenMP reads the policy once
+    bound_primitive_caches()  # likewise oneDNN's and ideep's cache capacities
     app()
 
 

@@ -10,9 +10,9 @@ import torch
 
 from art_core.engine.config import EngineConfig, GenerationRequest
 from art_core.engine.sampling import SamplingParams
-from art_core.engine.torch.decoding import DecodeBatch, RowState, shared_prompt_length
+from art_core.engine.torch.decoding import MIN_DROPPED_COLUMNS, DecodeBatch, RowState, shared_prompt_length
 from art_core.engine.torch.engine import TorchEngine
-from art_core.engine.torch.kv_cache import growing_cache, join_caches
+from art_core.engine.torch.kv_cache import drop_leading_columns, growing_cache, join_caches
 from art_core.models.loading import LoadedModel
 from tests.helpers_models import record_prefills
 from tests.tolerances import assert_close_to_model
@@ -94,6 +94,57 @@ def test_rows_joining_shorter_and_longer_caches_decode_as_alone(tiny_model: Load
             torch.tensor(row.logprobs), torch.tensor(solo.logprobs), tiny_model.model, torch.float32
         )
         assert row.finish_reason == solo.finish_reason == "length"
+
+
+def test_a_batch_that_never_empties_keeps_the_width_its_rows_need(tiny_model: LoadedModel) -> None:
+    # A steady flow: a new row joins at every one of 300 steps and each leaves after 4 tokens, so
+    # the batch never empties. Without dropping the columns that left rows used, its cache would
+    # grow one column a step (~300 wide); its rows need at most 16 + 4.
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    first = [_row(_prompt(tiny_model, 16, 1), params), _row(_prompt(tiny_model, 9, 2), params)]
+    calls, finished, widths = [0], [], []
+
+    def admit(room: int) -> list[RowState]:
+        calls[0] += 1
+        if calls[0] > 300:
+            return []
+        return [_row(_prompt(tiny_model, 5 + calls[0] % 12, calls[0]), params)]
+
+    def done(rows: list[RowState]) -> None:
+        finished.extend(rows)
+        widths.append(batch.cache.get_seq_length())
+        assert batch.mask.shape[1] == widths[-1]  # the mask and the cache drop the same columns
+
+    with torch.inference_mode():
+        batch = DecodeBatch(tiny_model.model, tiny_model.tokenizer, first, use_adapter_names=False)
+        batch.run(0.25, admit=admit, finished=done, max_rows=8)
+    assert len(finished) == 302
+    assert max(widths) <= 2 * (16 + 4) + MIN_DROPPED_COLUMNS, f"the cache grew to {max(widths)} columns"
+    for row in finished[::25] + finished[-3:]:
+        solo = _alone(tiny_model, row.prompt_ids, params)
+        assert row.token_ids == solo.token_ids, "a row in the trimmed batch sampled other tokens than alone"
+        assert_close_to_model(
+            torch.tensor(row.logprobs), torch.tensor(solo.logprobs), tiny_model.model, torch.float32
+        )
+
+
+def test_drop_leading_columns_keeps_the_rest_and_room_to_grow() -> None:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, hidden_size=8)
+    cache = growing_cache(config, room=4)
+    keys = torch.randn(2, 2, 7, 4)
+    cache.layers[0].update(keys, keys + 1)
+    drop_leading_columns(cache, 5)
+    assert torch.equal(cache.layers[0].keys, keys[..., 5:, :]) and torch.equal(
+        cache.layers[0].values, keys[..., 5:, :] + 1
+    )
+    cache.layers[0].update(torch.ones(2, 2, 1, 4), torch.zeros(2, 2, 1, 4))
+    assert cache.layers[0].keys.shape == (2, 2, 3, 4) and torch.equal(
+        cache.layers[0].keys[..., 2, :], torch.ones(2, 2, 4)
+    )
+    with pytest.raises(ValueError, match="cannot drop 4 of 3"):
+        drop_leading_columns(cache, 4)
 
 
 def test_join_caches_pads_on_the_left() -> None:

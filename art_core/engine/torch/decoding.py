@@ -9,7 +9,8 @@ prompt prefix and adapter (a shared system prompt; the n completions of a reques
 group) prefill that prefix once and copy its cache rows. Between steps, rows that arrived
 meanwhile can join the running batch (continuous batching): they are prefilled together and their cache is joined to the batch's
 (`art_core.engine.torch.kv_cache`); finished rows are reported at once and dropped from the batch once
-enough have piled up. Each row's text and stop strings are its `IncrementalDetokenizer`'s
+enough have piled up, and the left columns none of the remaining rows uses go with them (a batch
+that never empties keeps the width of its rows, not of its whole life). Each row's text and stop strings are its `IncrementalDetokenizer`'s
 (`art_core.engine.detokenizer`). Left out: which rows run or join (`scheduler`, `engine`). See
 docs/architecture.md ("The torch engine").
 """
@@ -31,6 +32,7 @@ from art_core.engine.sampling import SamplingParams, chosen_logprobs, sample_nex
 from art_core.engine.torch.decode_step import decode_step, supports_decode_step
 from art_core.engine.torch.kv_cache import (
     cache_kwarg,
+    drop_leading_columns,
     growing_cache,
     join_caches,
     joinable,
@@ -43,6 +45,11 @@ from art_core.engine.torch.threads import ThreadTuner, apply
 
 BASE_ADAPTER = "__base__"
 """peft's name for "no adapter" in a mixed-adapter batch."""
+
+MIN_DROPPED_COLUMNS = 64
+"""`DecodeBatch.select` drops the unused left columns of the cache once there are at least this
+many and at least half its width: each copy of the cache then pays for as many steps as it
+saves, and the cache stays under twice the width its rows need (plus this)."""
 
 
 @dataclass(eq=False)
@@ -389,6 +396,19 @@ class DecodeBatch:
         kept = keep.tolist()
         self.rows = [self.rows[i] for i in kept]
         self.adapter_names = [self.adapter_names[i] for i in kept]
+        self._drop_unused_columns()
+
+    def _drop_unused_columns(self) -> None:
+        """Drop the left columns that every row masks (what rows that left the batch had used),
+        when there are enough of them (`MIN_DROPPED_COLUMNS`)."""
+        if not self.rows or not joinable(self.cache):
+            return
+        width = self.mask.shape[1]
+        used = self.mask.any(dim=0)
+        unused = int(used.int().argmax()) if bool(used.any()) else width
+        if unused >= max(MIN_DROPPED_COLUMNS, width // 2) and unused < width:
+            drop_leading_columns(self.cache, unused)
+            self.mask = self.mask[:, unused:]
 
 
 def _report(rows: list[RowState], finished: Callable[[list[RowState]], None] | None) -> None:
