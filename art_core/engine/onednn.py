@@ -4,8 +4,8 @@ torch's CPU matmuls in bf16 (and its packed mkldnn linears) go through oneDNN, w
 primitives it creates in two caches: oneDNN's own (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`) and ideep's,
 the one torch's mkldnn ops use (`LRU_CACHE_CAPACITY`). Both are keyed by shape and hold up to 1,024
 entries by default. Serving makes a new shape at almost every step (the batch's row count, each
-prefill's length), and an entry is not small (a brgemm primitive owns packed copies of its
-weight block), so with the defaults `art serve`'s RSS grew by ~270 MB per 10,000 requests and had
+prefill's length), and an entry is not small (~0.7 MB for one of SmolLM2's bf16 projections,
+measured), so with the defaults `art serve`'s RSS grew by ~270 MB per 10,000 requests and had
 not levelled off at 10,000; with both caches off it stays flat, but every op re-creates its
 primitive: one-at-a-time decode of SmolLM2-135M ran 3x slower (16 -> 4.9 tok/s). At 64 entries
 each, decode speed is unchanged and the caches stop growing once full (docs/reliability.md,
