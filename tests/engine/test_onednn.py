@@ -20,6 +20,14 @@ def _env_without_capacities() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in CAPACITY_VARIABLES}
 
 
+def _python(code: str, env: dict[str, str] | None = None) -> str:
+    """Run `code` in a fresh interpreter (no torch loaded yet); its stdout, after checking it exited 0."""
+    env = _env_without_capacities() if env is None else env
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_too_late_once_torch_is_loaded_and_a_negative_capacity_is_refused() -> None:
     env: dict[str, str] = {}
     assert bound_primitive_caches(env) == []  # the test process has torch loaded: it already read them
@@ -35,24 +43,13 @@ def test_a_fresh_process_bounds_both_caches_but_keeps_what_the_user_set() -> Non
         "assert 'torch' not in sys.modules\n"
         "print(json.dumps([bound_primitive_caches(), primitive_cache_capacities()]))\n"
     )
-    fresh = subprocess.run(
-        [sys.executable, "-c", code],
-        env=_env_without_capacities(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert fresh.returncode == 0, fresh.stderr
-    assert fresh.stdout.strip() == (
+    assert _python(code).strip() == (
         f'[["ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"], '
         f'{{"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "{SERVING_CAPACITY}", "LRU_CACHE_CAPACITY": "{SERVING_CAPACITY}"}}]'
     )
     user = {**_env_without_capacities(), "LRU_CACHE_CAPACITY": "0"}
-    kept = subprocess.run([sys.executable, "-c", code], env=user, capture_output=True, text=True, timeout=60)
-    assert kept.returncode == 0, kept.stderr
-    assert (
-        '[["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]' in kept.stdout and '"LRU_CACHE_CAPACITY": "0"' in kept.stdout
-    )
+    kept = _python(code, user)
+    assert '[["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]' in kept and '"LRU_CACHE_CAPACITY": "0"' in kept
 
 
 def test_the_art_cli_sets_them_before_torch_loads() -> None:
@@ -67,12 +64,4 @@ def test_the_art_cli_sets_them_before_torch_loads() -> None:
         "    pass\n"
         "print('CAPS', os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPACITY'])\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=_env_without_capacities(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    assert f"CAPS {SERVING_CAPACITY} {SERVING_CAPACITY}" in out.stdout
+    assert f"CAPS {SERVING_CAPACITY} {SERVING_CAPACITY}" in _python(code)
