@@ -44,9 +44,3 @@ def bound_primitive_caches(
     for name in chosen:
         environ[name] = str(capacity)
     return chosen
-
-
-def primitive_cache_capacities(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
-    """The capacity each cache runs with, as this process's environment says ("default" if unset:
-    1,024 entries)."""
-    return {name: environ.get(name, "default") for name in CAPACITY_VARIABLES}

@@ -403,10 +403,8 @@ class DecodeBatch:
         when there are enough of them (`MIN_DROPPED_COLUMNS`)."""
         if not self.rows or not joinable(self.cache):
             return
-        width = self.mask.shape[1]
-        used = self.mask.any(dim=0)
-        unused = int(used.int().argmax()) if bool(used.any()) else width
-        if unused >= max(MIN_DROPPED_COLUMNS, width // 2) and unused < width:
+        unused = int(self.mask.any(dim=0).int().argmax())  # the first column a row uses
+        if unused >= max(MIN_DROPPED_COLUMNS, self.mask.shape[1] // 2):
             drop_leading_columns(self.cache, unused)
             self.mask = self.mask[:, unused:]
 

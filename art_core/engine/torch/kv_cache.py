@@ -40,12 +40,16 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         length, new = self.get_seq_length(), key_states.shape[-2]
         if not self._owns_views(key_states) or length + new > self._keys.shape[-2]:  # type: ignore[union-attr]
-            self._reserve(length + new + min(self.room, max(64, length + new)), key_states, value_states)
+            self._reserve(self._capacity(length + new), key_states, value_states)
         assert self._keys is not None and self._values is not None
         self._keys[..., length : length + new, :] = key_states
         self._values[..., length : length + new, :] = value_states
         self.keys, self.values = self._keys[..., : length + new, :], self._values[..., : length + new, :]
         return self.keys, self.values
+
+    def _capacity(self, length: int) -> int:
+        """Positions to allocate for `length`: `room` more, but no more than max(64, `length`) more."""
+        return length + min(self.room, max(64, length))
 
     def _owns_views(self, key_states: torch.Tensor) -> bool:
         """Whether `keys` is still a view of our buffer (crop, select and repeat may have replaced it)."""
@@ -82,9 +86,10 @@ class GrowingLayer(DynamicLayer):
         rows, other_rows = self.keys.shape[0], other.keys.shape[0]
         heads, dim = self.keys.shape[1], self.keys.shape[-1]
         self.room = max(self.room, other.room)
-        capacity = width + min(self.room, max(64, width))
-        keys = self.keys.new_zeros((rows + other_rows, heads, capacity, dim))
-        values = self.values.new_zeros((rows + other_rows, heads, capacity, self.values.shape[-1]))
+        keys = self.keys.new_zeros((rows + other_rows, heads, self._capacity(width), dim))
+        values = self.values.new_zeros(
+            (rows + other_rows, heads, self._capacity(width), self.values.shape[-1])
+        )
         keys[:rows, :, width - mine : width] = self.keys
         values[:rows, :, width - mine : width] = self.values
         keys[rows:, :, width - theirs : width] = other.keys
@@ -102,7 +107,7 @@ class GrowingLayer(DynamicLayer):
             return
         assert self.keys is not None and self.values is not None
         left = length - count
-        capacity = left + min(self.room, max(64, left))
+        capacity = self._capacity(left)
         keys = self.keys.new_empty((*self.keys.shape[:2], capacity, self.keys.shape[-1]))
         values = self.values.new_empty((*self.values.shape[:2], capacity, self.values.shape[-1]))
         keys[..., :left, :] = self.keys[..., count:, :]
