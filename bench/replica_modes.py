@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Any
 
-from art_core.engine.openmp import prefer_passive_wait
+from art_core.engine.openmp import prefer_short_spin
 
 
 async def timed_rounds(engine: Any, prompts: list[list[int]], max_tokens: int, repeats: int) -> list[float]:
@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    prefer_passive_wait()  # before torch loads its OpenMP, as the `art` CLI does
+    prefer_short_spin()  # before torch loads its OpenMP, as the `art` CLI does
     import torch
     from machine import machine_header  # bench/ is on sys.path when a bench script runs
 

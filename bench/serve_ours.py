@@ -35,9 +35,9 @@ from serve_common import (
 def worker_ours(args: argparse.Namespace) -> None:
     """Register the model on a LocalBackend, put the random adapter into the live LoRA, serve it."""
     from art_core.engine.onednn import bound_primitive_caches
-    from art_core.engine.openmp import prefer_passive_wait, wait_policy
+    from art_core.engine.openmp import prefer_short_spin, release_thread_pool, wait_policy
 
-    prefer_passive_wait()  # what the `art` CLI does; before torch loads its OpenMP
+    prefer_short_spin()  # what the `art` CLI does; before torch loads its OpenMP
     bound_primitive_caches()  # and its oneDNN primitive caches
     import torch
 
@@ -78,6 +78,7 @@ def worker_ours(args: argparse.Namespace) -> None:
         engine.resume()
     adapter_dir = work / "adapter"
     hosted.trainer.save_state(adapter_dir)
+    release_thread_pool()  # this thread is done with torch: its OpenMP workers would throttle the engine's
     first = engine.replicas[0] if isinstance(engine, ReplicatedEngine) else engine
     serving_model = getattr(first, "serving_model", None)  # None in a replica process
     if processes and args.replicas > 1:

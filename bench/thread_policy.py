@@ -10,7 +10,10 @@ tool server or a judge puts beside the engine. The policies:
 - `t{N}`: torch.set_num_threads(N), OpenMP's defaults (libgomp: spin a while, then sleep);
 - `t{N}-passive` / `t{N}-active`: OMP_WAIT_POLICY=PASSIVE (sleep at once at a barrier) / ACTIVE (spin);
 - `t{N}-bound`: OMP_PROC_BIND=close OMP_PLACES=cores (each thread pinned to a core, as vLLM binds);
-- `engine`: what the engine's decode loop does by itself: `ThreadTuner` (`art_core.engine.torch.threads`)
+- `t{N}-spin{K}`: GOMP_SPINCOUNT=K (spin K times at a barrier, then sleep; libgomp's default is 300k);
+- `engine`: what the `art` CLI runs: torch's thread count and the short spin count
+  `art_core.engine.openmp.prefer_short_spin` sets;
+- `adapt`: that and `EngineConfig(adapt_threads=True)`: `ThreadTuner` (`art_core.engine.torch.threads`)
   times its steps and keeps 1 or 2 threads, whichever is faster now (its exploration included).
 
     python bench/thread_policy.py [--rows 32] [--steps 24] [--rounds 2] [--policies t1,t2,...]
@@ -34,14 +37,17 @@ from background_load import LoadShape, start
 from machine import machine_header  # bench/ is on sys.path when a bench script runs
 from processes import stop_group
 
+from art_core.engine.openmp import prefer_short_spin
+
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_POLICIES = "t1,t2,t2-passive,t2-bound,engine"
+DEFAULT_POLICIES = "t1,t2,t2-passive,t2-spin10000,engine,adapt"
 
 
 def policy_env(policy: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "KMP_", "GOMP_"))}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
-    if policy == "engine":
+    if policy in ("engine", "adapt"):
+        prefer_short_spin(env)
         return env
     name, _, kind = policy.partition("-")
     env["OMP_NUM_THREADS"] = name.removeprefix("t")
@@ -51,6 +57,8 @@ def policy_env(policy: str) -> dict[str, str]:
         env["OMP_WAIT_POLICY"] = "ACTIVE"
     elif kind == "bound":
         env.update(OMP_PROC_BIND="close", OMP_PLACES="cores")
+    elif kind.startswith("spin"):
+        env["GOMP_SPINCOUNT"] = kind.removeprefix("spin")
     elif kind:
         raise SystemExit(f"unknown policy {policy!r}")
     return env
@@ -60,18 +68,19 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     from decode_profile import decode, make_batch
 
-    from art_core.engine.torch.serving_weights import MergedWeights
+    from art_core.engine.torch.serving_weights import MergedWeights, fast_bf16
     from art_core.engine.torch.threads import ThreadTuner, apply
     from art_core.models.loading import load_model
 
     tuner = None
-    if args.worker == "engine":  # as the engine's decode loop does (`DecodeBatch.run`)
+    if args.worker == "adapt":  # as the engine's decode loop does with adapt_threads (`DecodeBatch.run`)
         tuner = ThreadTuner.for_machine()
         apply(tuner.current)
-    else:
+    elif args.worker != "engine":  # the engine keeps torch's own thread count
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     loaded = load_model(args.model)
-    model = MergedWeights(loaded.model, None, torch.float32).model
+    dtype = torch.bfloat16 if fast_bf16(torch.device("cpu")) else torch.float32  # the engine's "auto"
+    model = MergedWeights(loaded.model, None, dtype).model
     with torch.inference_mode():
         batch = make_batch(loaded, model, args.rows, False, args.steps + 4)
         logits = batch.prefill()
@@ -120,7 +129,9 @@ def main() -> None:
     policies = args.policies.split(",")
     shape = LoadShape()
     print(machine_header())
-    print(f"{args.rows} rows x {args.steps} decode steps (float32 serving copy); load: {shape.describe()}")
+    print(
+        f"{args.rows} rows x {args.steps} decode steps (the engine's serving dtype); load: {shape.describe()}"
+    )
     figures: dict[str, dict[str, list[float]]] = {p: {"quiet": [], "load": []} for p in policies}
     for phase in ("quiet", "load"):
         load = start(shape) if phase == "load" else None

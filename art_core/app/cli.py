@@ -538,9 +538,9 @@ def _quiet_logs() -> None:
 
 def main() -> None:
     from art_core.engine.onednn import bound_primitive_caches
-    from art_core.engine.openmp import prefer_passive_wait
+    from art_core.engine.openmp import prefer_short_spin
 
-    prefer_passive_wait()  # before anything imports torch: its OpenMP reads the policy once
+    prefer_short_spin()  # before anything imports torch: its OpenMP reads the wait policy once
     bound_primitive_caches()  # likewise oneDNN's and ideep's cache capacities
     app()
 

@@ -40,6 +40,7 @@ from typing import Any
 from peft import PeftModel
 
 from art_core.engine.errors import UnknownAdapterError
+from art_core.engine.openmp import releasing_thread_pool
 from art_core.engine.protocol import Engine
 from art_core.engine.torch.engine import TorchEngine
 from art_core.engine.vllm.config import VLLMEngineConfig, require_vllm
@@ -132,6 +133,7 @@ class ModelService:
         self._lock = threading.Lock()
 
     # ---- registration -------------------------------------------------------------------
+    @releasing_thread_pool  # the loading thread's OpenMP workers would throttle the engine's
     def register(self, spec: ModelSpec) -> HostedModel:
         """Load (or reuse) the model named `spec.name`, resuming from its latest checkpoint."""
         validate_name(spec.project, "project")
@@ -357,7 +359,13 @@ class ModelService:
         """
         hosted = self.get(name)
         return await asyncio.to_thread(
-            self._train_sync, hosted, list(groups), config, on_progress, request_key, background_commit
+            releasing_thread_pool(self._train_sync),
+            hosted,
+            list(groups),
+            config,
+            on_progress,
+            request_key,
+            background_commit,
         )
 
     def committed(self, name: str) -> HostedModel:

@@ -40,7 +40,7 @@ from art_core.engine.errors import (
 )
 from art_core.engine.finish_reason import FinishReason
 from art_core.engine.grammar import RowConstraint
-from art_core.engine.openmp import wait_policy
+from art_core.engine.openmp import SPINS, release_thread_pool, wait_policy
 from art_core.engine.protocol import Completion
 from art_core.engine.sampling import row_seed
 from art_core.engine.torch.adapters import Adapters, modes_kept
@@ -144,9 +144,12 @@ class TorchEngine:
         self._threads = ThreadTuner.for_machine() if config.adapt_threads else None
         if torch.get_num_threads() > 1 and wait_policy() == "DEFAULT":
             logger.info(
-                "OpenMP threads spin at barriers (OMP_WAIT_POLICY unset): on shared cores set "
-                "OMP_WAIT_POLICY=PASSIVE before starting Python (the `art` CLI does); see docs/benchmarks.md"
+                "OpenMP threads spin long at barriers (neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT set): "
+                "on shared cores set GOMP_SPINCOUNT=%d before starting Python (the `art` CLI does); "
+                "see docs/benchmarks.md",
+                SPINS,
             )
+        release_thread_pool()  # this thread's OpenMP workers would throttle the decode thread's
         self._thread = threading.Thread(target=self._work, name="art-engine", daemon=True)
         self._thread.start()
 
@@ -332,8 +335,10 @@ class TorchEngine:
         """Let the worker run batches again, first re-merging the serving copy (no-op if not paused).
 
         The re-merge runs on the worker (about 0.15 s for SmolLM2), so this returns at once; no
-        batch starts before it is done.
+        batch starts before it is done. The calling thread (the trainer's, typically) hands the
+        CPUs back: its OpenMP workers end (`art_core.engine.openmp.release_thread_pool`).
         """
+        release_thread_pool()
         with self._cond:
             if self._paused:
                 self._resync = self._serving is not None

@@ -14,8 +14,8 @@ few steps, keeps the one with the lowest median step time, and explores again af
 as soon as steps get much slower than they were when it chose (the load changed). Step times are
 compared only at the same batch size. It is data and arithmetic; the engine applies its choice
 with `torch.set_num_threads` on the decoding thread (`apply`). Left out: OpenMP's wait policy and
-binding, which the runtime reads from the environment when it loads (set OMP_WAIT_POLICY /
-OMP_PROC_BIND before starting Python, if measurement says so; docs/benchmarks.md).
+binding, which the runtime reads from the environment when it loads (`art_core.engine.openmp`
+sets a short spin count for our entry points; docs/benchmarks.md).
 """
 
 from __future__ import annotations
