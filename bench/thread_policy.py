@@ -37,7 +37,7 @@ from background_load import LoadShape, start
 from machine import machine_header  # bench/ is on sys.path when a bench script runs
 from processes import stop_group
 
-from art_core.engine.openmp import prefer_short_spin
+from art_core.engine.openmp import SPIN_COUNT, SPINS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_POLICIES = "t1,t2,t2-passive,t2-spin10000,engine,adapt"
@@ -46,8 +46,8 @@ DEFAULT_POLICIES = "t1,t2,t2-passive,t2-spin10000,engine,adapt"
 def policy_env(policy: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "KMP_", "GOMP_"))}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
-    if policy in ("engine", "adapt"):
-        prefer_short_spin(env)
+    if policy in ("engine", "adapt"):  # the spin count the `art` CLI sets (no OpenMP variable is left here)
+        env[SPIN_COUNT] = str(SPINS)
         return env
     name, _, kind = policy.partition("-")
     env["OMP_NUM_THREADS"] = name.removeprefix("t")
@@ -58,7 +58,7 @@ def policy_env(policy: str) -> dict[str, str]:
     elif kind == "bound":
         env.update(OMP_PROC_BIND="close", OMP_PLACES="cores")
     elif kind.startswith("spin"):
-        env["GOMP_SPINCOUNT"] = kind.removeprefix("spin")
+        env[SPIN_COUNT] = kind.removeprefix("spin")
     elif kind:
         raise SystemExit(f"unknown policy {policy!r}")
     return env

@@ -46,7 +46,8 @@ SPINS = 10_000
 
 def prefer_short_spin(environ: MutableMapping[str, str] = os.environ) -> bool:
     """Set GOMP_SPINCOUNT=SPINS unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set already or torch is
-    loaded (too late then); returns whether it set it."""
+    loaded (too late then); returns whether it set it. `environ` is this process's environment
+    (the torch check is about this process): a child's environment can take `SPINS` directly."""
     if POLICY in environ or SPIN_COUNT in environ or "torch" in sys.modules:
         return False
     environ[SPIN_COUNT] = str(SPINS)
