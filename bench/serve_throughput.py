@@ -35,10 +35,12 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,23 @@ from serve_sequential import run_sequential, worker_sequential
 from serve_vllm import start_vllm
 
 
+@contextlib.contextmanager
+def others_stopped(target: Target, targets: list[Target]) -> Iterator[None]:
+    """Within the block, every server of `targets` but `target` is stopped (SIGSTOP to its process
+    group, children included); each is continued on the way out, whatever happened."""
+    stopped = []
+    try:
+        for other in targets:
+            if other.pgid != target.pgid:
+                os.killpg(other.pgid, signal.SIGSTOP)
+                stopped.append(other.pgid)
+        yield
+    finally:
+        for pgid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGCONT)
+
+
 def _counts(after: dict[str, int], before: dict[str, int]) -> str:
     """ "<batches> batch(es), <joins> join(s)" between two readings of the engine's counters."""
     return f"{after['batches'] - before['batches']} batch(es), {after['joins'] - before['joins']} join(s)"
@@ -62,7 +81,10 @@ async def drive_all(targets: list[Target], args: argparse.Namespace) -> dict[str
     one warm-up round each, then `--repeats` timed rounds each, in the order round 1 of every
     server, round 2 of every server, ... So a slow spell of this machine (frequent on shared CPUs)
     falls on every side alike instead of on whichever side happened to run then. The servers
-    not being driven sit idle meanwhile."""
+    not being driven are stopped (SIGSTOP to their process groups) for the round with
+    `--idle-servers stop`, the default: an idle vLLM server keeps polling (~3-6 CPU-s over the
+    others' rounds, measured), which took CPU from whichever side was being timed. With `run`
+    they sit idle, and the CPU they use then is reported either way."""
     from openai import AsyncOpenAI
 
     chats = chat_prompts(args.requests)
@@ -80,6 +102,10 @@ async def drive_all(targets: list[Target], args: argparse.Namespace) -> dict[str
         )  # fmt: skip
 
     async def timed_round(target: Target) -> dict[str, Any]:
+        with others_stopped(target, targets if args.idle_servers == "stop" else []):
+            return await _timed_round(target)
+
+    async def _timed_round(target: Target) -> dict[str, Any]:
         batches_before = target.batches() if target.batches else {}
         cpu = group_cpu_s(target.pgid)
         started = time.perf_counter()
@@ -335,6 +361,12 @@ def main() -> None:
     )
     parser.add_argument("--load-sleep-ms", type=float, default=50.0, help="--contention: sleep per period")
     parser.add_argument("--load-seed", type=int, default=0, help="--contention: seeds the period lengths")
+    parser.add_argument(
+        "--idle-servers",
+        choices=["stop", "run"],
+        default="stop",
+        help="the servers not being timed: stopped (SIGSTOP) during each round, or left running idle",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (adapter, server logs)")
     parser.add_argument(
         "--json", action="store_true", help="stdout: only the final JSON line (the rest to stderr)"
@@ -418,7 +450,11 @@ def main() -> None:
             vllm_proc, target, facts[key] = started
             stack.callback(stop_group, vllm_proc)
             targets.append(target)
-        say(f"rounds take turns: {', '.join(t.key for t in targets)}, then again ({args.repeats + 1} times)")
+        idle = "stopped (SIGSTOP)" if args.idle_servers == "stop" else "left running"
+        say(
+            f"rounds take turns: {', '.join(t.key for t in targets)}, then again ({args.repeats + 1} times); "
+            f"the servers not being timed are {idle} during each round"
+        )
         results = asyncio.run(drive_all(targets, args))
         for key, result in results.items():
             if "error" in result:
