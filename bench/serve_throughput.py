@@ -20,6 +20,7 @@ spread by load (docs/distributed.md, "Several inference replicas").
 
 Usage: python bench/serve_throughput.py [--requests 32] [--max-tokens 64] [--repeats 3] [--threads 2]
                                         [--replicas N [--replica-mode process|thread|both]] [--skip-vllm] [--vllm-iomp] [--keep] [--json]
+                                        [--idle-servers stop|run]
                                         [--contention [--load-compute-ms 50 --load-sleep-ms 50 --load-seed 0]]
 
 `--contention` runs `background_load.py` (one process at normal priority alternating compute and
