@@ -11,8 +11,14 @@ Each turn is one chat completion with the server's tools plus `complete_task`. W
 turn, so a small model always acts instead of chatting; "auto" lets it answer in prose, which is
 then followed by a reminder to use the tools.
 
-Trajectory metrics: `turns`, `task_completed`, `ran_out_of_turns`, `server_failure`, `tool_calls`,
-`tool_errors` and per-tool counts (from the door); metadata: `scenario_id`, `answer`, `failure`.
+A conversation that outgrows the model's context window (say, a tool returned a long result) ends
+the rollout there, as running out of turns does: the turns so far are a real trajectory of the
+policy, scored as unfinished (`context_exhausted`), not a rollout lost to an exception. Only a first
+turn that does not fit raises: then nothing was sampled, and every rollout of the scenario would fail.
+
+Trajectory metrics: `turns`, `task_completed`, `ran_out_of_turns`, `context_exhausted`,
+`server_failure`, `tool_calls`, `tool_errors` and per-tool counts (from the door); metadata:
+`scenario_id`, `answer`, `failure`.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import openai
+
 from art_core.capture import message_key
 from art_core.model import TrainableModel
+from art_core.rollouts import CONTEXT_LENGTH_EXCEEDED
 from art_core.types import Trajectory
 from integrations.scope import RolloutScope, rollout
 from mcp_rl.catalog import COMPLETE_TASK, ServerCatalog
@@ -103,6 +112,8 @@ class _Run:
     answer: str | None = None
     turns: int = 0
     failure: ServerFailure | None = None
+    context_exhausted: str | None = None
+    """Why the next turn did not fit the context window (the server's message), if it did not."""
 
 
 def _tool_choice(choice: str) -> Any:
@@ -154,7 +165,13 @@ async def _loop(
 ) -> None:  # fmt: skip
     tools, known = bounded_tools(catalog.agent_tools(), agent.max_string_chars), set(catalog.tool_names)
     while run.turns < agent.max_turns and run.answer is None:
-        reply = await _turn(run, model, model_name, tools, agent)
+        try:
+            reply = await _turn(run, model, model_name, tools, agent)
+        except openai.BadRequestError as exc:
+            if exc.code != CONTEXT_LENGTH_EXCEEDED or run.turns == 0:
+                raise
+            run.context_exhausted = exc.message
+            return
         if reply.get("tool_calls"):
             try:
                 await _act(run, reply, connection, known, tool_config)
@@ -169,13 +186,16 @@ def _finish(scope: RolloutScope, run: _Run, scenario: Scenario) -> None:
     scope.metrics.update(
         turns=run.turns,
         task_completed=run.answer is not None,
-        ran_out_of_turns=run.answer is None and run.failure is None,
+        ran_out_of_turns=run.answer is None and run.failure is None and run.context_exhausted is None,
+        context_exhausted=run.context_exhausted is not None,
         server_failure=run.failure is not None,
     )
     scope.metadata.update(scenario_id=scenario.id, answer=run.answer)
     if run.failure is not None:
         scope.metadata["failure"] = run.failure.reason
         scope.logs.append(f"rollout failed: {run.failure.reason}")
+    if run.context_exhausted is not None:
+        scope.logs.append(f"turn {run.turns + 1} did not fit the context window: {run.context_exhausted}")
 
 
 async def run_agent(

@@ -17,11 +17,12 @@ from art_core.rollouts.groups import (
     gather_trajectory_groups,
 )
 from art_core.rollouts.messages import MessageList, Messages, Tools
-from art_core.rollouts.records import ExceptionInfo, History, Trajectory, Turn
+from art_core.rollouts.records import CONTEXT_LENGTH_EXCEEDED, ExceptionInfo, History, Trajectory, Turn
 from art_core.rollouts.retry import retry
 from art_core.rollouts.yielded import capture_yielded_trajectory, yield_trajectory
 
 __all__ = [
+    "CONTEXT_LENGTH_EXCEEDED",
     "DatasetBatch",
     "ExceptionInfo",
     "GatherError",

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
+import openai
 import pytest
 from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, SystemMessage, ToolMessage
@@ -62,9 +62,10 @@ def unshared_chat_openai(model: TrainableModel, **kwargs: Any) -> ChatOpenAI:
     """Like `plain_chat_openai`, with an httpx client of its own.
 
     LangChain shares one default httpx client per (base URL, hashable timeout): a model patched in
-    another test would tag this one too. An `httpx.Timeout` is unhashable, so the client is new.
+    another test would tag this one too. A timeout object (`openai.Timeout`: httpx's or httpx2's, as the
+    SDK uses) is unhashable, so the client is new.
     """
-    return plain_chat_openai(model, timeout=httpx.Timeout(60.0), **kwargs)
+    return plain_chat_openai(model, timeout=openai.Timeout(60.0), **kwargs)
 
 
 def two_llm_graph(agent_llm: Any, summary_llm: Any) -> Any:
@@ -387,7 +388,7 @@ async def test_graph_invoked_outside_a_rollout_warns_once(
     assert len(warnings) == 1
     caplog.clear()
     quiet = create_agent(
-        chat_model(model, max_tokens=3, warn_outside_scope=False, timeout=httpx.Timeout(60.0)), []
+        chat_model(model, max_tokens=3, warn_outside_scope=False, timeout=openai.Timeout(60.0)), []
     )
     monkeypatch.setattr(capture_context, "_warned_servers", set())
     with caplog.at_level(logging.WARNING, logger="art_core.capture.context"):

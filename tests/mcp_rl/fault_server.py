@@ -56,6 +56,12 @@ def big(chars: int) -> str:
     return "x" * chars
 
 
+@server.tool()
+def flood() -> str:
+    """A result that, even cut at the default 4000 characters, outgrows the tiny model's 2048-token window."""
+    return "x" * 5000
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--die-at-start", action="store_true")

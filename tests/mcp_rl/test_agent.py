@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 
 from art_core.model import TrainableModel
@@ -124,6 +125,26 @@ async def test_a_hanging_tool_past_the_timeout_fails_the_rollout(
     )
     assert trajectory.metrics["server_failure"] is True
     assert "hang timed out" in str(trajectory.metadata["failure"]) and pool.stats.hangs == 1
+
+
+@ASYNC
+async def test_a_conversation_that_outgrows_the_context_window_ends_unfinished_not_raised(
+    model: TrainableModel, tmp_path: Path
+) -> None:
+    pool = ServerPool(fault_spec(), "per-rollout", log_path=tmp_path / "log")
+    catalog = await _fault_catalog()
+    flood = AgentConfig(max_turns=3, max_tokens=48, tool_choice="flood")
+    trajectory = await run_agent(model, FIGS, catalog, pool, agent=flood)
+    metrics = trajectory.metrics
+    assert metrics["context_exhausted"] is True and metrics["ran_out_of_turns"] is False
+    assert metrics["turns"] == 1 and metrics["tool_calls/flood"] == 1 and not metrics["server_failure"]
+    assert len(trajectory.turns) == 1 and trajectory.messages[-1]["role"] == "tool"
+    assert any("turn 2 did not fit the context window" in line for line in trajectory.logs)
+    assert check_credit(FIGS, trajectory) < MAX_PARTIAL  # scored as unfinished
+    # A first turn that does not fit sampled nothing: that is an error, not a trajectory.
+    too_long = Scenario(id="long", task="x" * 5000)
+    with pytest.raises(openai.BadRequestError, match="context window"):
+        await run_agent(model, too_long, catalog, pool, agent=flood)
 
 
 @ASYNC
