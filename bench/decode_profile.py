@@ -7,7 +7,8 @@ on, in the serving dtype the hardware probes choose) this prefills chat prompts 
 
 - plain: the real path, nothing added (the step time reported);
 - sections: the same path with timers around the functions `decode_step` calls (each matmul by
-  weight, norms, rotary, the KV-cache append, SDPA attention, the MLP's activation) and around
+  weight, norms, rotary, the KV-cache append, attention (SDPA, or two matmuls in float32), the MLP's
+  activation) and around
   sampling and the grammar masks, each section's own time excluding the sections inside it;
 - ops: torch.profiler over the plain path; the step's wall time minus the time spent inside
   top-level torch ops is the Python overhead (the interpreter between ops).
@@ -138,6 +139,7 @@ def timed_sections(batch: DecodeBatch, sections: Sections) -> list[Patched]:
         Patched(lean, "rotate", sections.wrap("rotary", lean.rotate)),
         Patched(lean, "_mlp", sections.wrap("mlp activation", lean._mlp)),
         Patched(lean, "F", _Functional(sections)),
+        Patched(lean, "matmul_attention", sections.wrap("attention (matmuls)", lean.matmul_attention)),
         Patched(cache_layer, "update", sections.wrap("attention (KV append)", cache_layer.update)),
         Patched(RowConstraint, "mask_", sections.wrap("grammar masks", RowConstraint.mask_)),
         Patched(DecodeBatch, "step", sections.wrap("sampling", DecodeBatch.step)),

@@ -11,7 +11,7 @@ from art_core.models.loading import LoadedModel
 from art_core.training.config import LoRAConfig
 from art_core.training.lora import attach_lora
 from tests.helpers_models import tiny_gemma3, tiny_llama, tiny_mistral, tiny_qwen3
-from tests.tolerances import assert_close_to_model
+from tests.tolerances import assert_close_to_model, rounding_tolerance
 
 pytestmark = pytest.mark.isa  # float results depend on the CPU's kernels (see .ci/run)
 
@@ -183,3 +183,33 @@ def test_float32_packing_follows_the_cpu_and_the_setting() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         never = tiny_llama(layers=1).to(dtype).eval()
         assert not pack_weights(never, False) and not hasattr(never, PACKED_WEIGHTS)
+
+
+def test_matmul_attention_equals_sdpa_on_cache_views_with_masked_columns() -> None:
+    """The float32 decode step's attention (`matmul_attention`, two batched matmuls and a softmax)
+    gives SDPA's values for what `decode_step` hands it: grouped queries, keys and values that are
+    views of a cache buffer with room, left padding masked per row, a row that attends only to its
+    new token."""
+    from art_core.engine.torch.decode_step import matmul_attention
+
+    rows, kv_heads, group, dim, length = 5, 3, 3, 16, 11
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(rows, kv_heads, group, dim, generator=generator)
+    buffer = torch.randn(2, rows, kv_heads, length + 6, dim, generator=generator)
+    keys, values = buffer[0, ..., :length, :], buffer[1, ..., :length, :]  # strided, as the cache's views
+    keep = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+    keep[1, ..., :4] = False  # left padding
+    keep[3, ..., :-1] = False  # only its new token
+    bias = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
+    ours = matmul_attention(query, keys, values, bias, dim**-0.5)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=keep, scale=dim**-0.5
+    )
+    tolerance = rounding_tolerance(
+        torch.float32, length=max(dim, length), scale=float(values.abs().max()), depth=2
+    )
+    assert (ours - theirs).abs().max() <= tolerance
+    assert torch.equal(ours[3], values[3, :, -1:].expand(kv_heads, group, dim))  # one key: its value exactly
+    # a wrong mask is far outside that tolerance: the test can tell
+    unmasked = matmul_attention(query, keys, values, torch.zeros_like(bias), dim**-0.5)
+    assert (unmasked - theirs).abs().max() > 100 * tolerance

@@ -103,17 +103,23 @@ def decode_step(
     else:
         rotary = dict.fromkeys(set(kinds), body.rotary_emb(hidden, positions))  # [B, 1, head_dim] each
     keep = mask.bool()[:, None, None, :]
+    bias = _attention_bias(keep, hidden)
     for index, layer in enumerate(body.layers):
         attn = layer.self_attn
         cos, sin = rotary[kinds[index]]
         query, key, value = _qkv(attn, _norm(layer.input_layernorm, hidden), cos, sin, packs)
         layer_cache: Any = cache.layers[index]
         keys, values = layer_cache.update(key, value)
-        attend = keep[..., -keys.shape[-2] :]  # a sliding-window cache layer returns its last positions only
+        attend = (keep if bias is None else bias)[
+            ..., -keys.shape[-2] :
+        ]  # a sliding-window cache layer returns its last positions only
         window = getattr(attn, "sliding_window", None) if kinds[index] == "sliding_attention" else None
         if window:  # rows are contiguous in the padded layout: the window is the last `window` columns
             keys, values, attend = keys[..., -window:, :], values[..., -window:, :], attend[..., -window:]
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=attend, scale=attn.scaling)
+        if bias is None:
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=attend, scale=attn.scaling)
+        else:
+            out = matmul_attention(query, keys, values, attend, attn.scaling)
         out = _apply(attn.o_proj, out.reshape(input_ids.shape[0], 1, -1), packs)
         if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: norms after attention and MLP too
             hidden = hidden + _norm(layer.post_attention_layernorm, out)
@@ -124,6 +130,33 @@ def decode_step(
             hidden = hidden + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden), packs)
     hidden = _norm(body.norm, hidden)
     return _apply(model.lm_head, hidden[:, -1], packs).float()
+
+
+def _attention_bias(keep: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The additive mask [B, 1, 1, L + 1] (0 where `keep`, -inf elsewhere) for `matmul_attention`
+    when the step runs in float32 on a CPU; None where it runs SDPA.
+
+    Why by dtype: a decode step's attention is B x kv_heads tiny problems ([group, D] x [D, L]),
+    and SDPA's CPU flash kernel spends more on their setup than on their FLOPs. Two batched
+    matmuls and a softmax in float32 took 159 against SDPA's 468 us a layer (SmolLM2, 32 rows,
+    context 51, 2 threads, AVX2; 150 against 341 on AVX-512), equally exact. In bf16 the scores
+    need float32 to stay as exact as SDPA's, and with the casts that was no faster in the engine
+    (docs/benchmarks.md, "Serving throughput"); on GPUs SDPA's kernels are the fast path.
+    """
+    if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+        return None
+    return torch.zeros(keep.shape, dtype=hidden.dtype).masked_fill_(~keep, float("-inf"))
+
+
+def matmul_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention [B, kv_heads, group, D] of one new token per row: queries [B, kv_heads,
+    group, D] (each kv head's query heads along the query axis), keys and values [B, kv_heads, L, D],
+    `bias` [B, 1, 1, L] added to the scaled scores (-inf: not attended; every row attends to at
+    least its new token). The same values as `F.scaled_dot_product_attention` with the mask."""
+    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scale).add_(bias)
+    return torch.matmul(scores.softmax(dim=-1), values)
 
 
 def _qkv(
@@ -182,6 +215,15 @@ def _mlp(mlp: Any, x: torch.Tensor, packs: dict[int, _Packed] | None) -> torch.T
 PACKED_WEIGHTS = "art_packed_weights"
 """Attribute of a model whose decode-step matmuls use oneDNN-packed weights (`pack_weights`)."""
 
+PACK_ROWS_HINT = 32
+"""The row count oneDNN lays a packed weight out for, whatever the row count of the step that packs
+it. A packed copy serves every later step of its weight version, whose batches range from 1 row to
+the engine's maximum, and used to be laid out for the first caller's rows: often 1 (a lone request,
+the first step after a re-merge). Measured on an AVX2 CPU in float32 (SmolLM2's shapes, 2 threads,
+docs/benchmarks.md "The packed layout's row hint"): a layout packed for 1 row is 10-40% slower at
+every batch from 1 to 128 rows (32 rows x 576 -> 3072: 1,144 against 928 us; the head: 17.1
+against 14.9 ms), and hints from 8 to 256 are alike."""
+
 
 @dataclass(frozen=True)
 class _Packed:
@@ -235,6 +277,6 @@ def _linear(
         return F.linear(x, weight, bias)
     entry = packs.get(id(weight))
     if entry is None or entry.weight is not weight or entry.version != weight._version:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), x.shape[0])
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
         entry = packs[id(weight)] = _Packed(weight, weight._version, packed)
     return torch.ops.mkldnn._linear_pointwise(x, entry.packed, bias, "none", [], "")
