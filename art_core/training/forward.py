@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicLayer
 
+from art_core.training.lora_update import add_lora_update_
 from art_core.training.packed_forward import (
     FUSED_FORWARD,
     is_plain_lora,
@@ -120,8 +121,8 @@ def _fused_forward(layer: Any, adapter_name: str) -> Any:
         down = F.linear(x, lora_a)
         # In place on the base output (its matmul's backward does not need it): no copy of it.
         flat = result.view(-1, result.shape[-1])
-        flat.addmm_(down.reshape(-1, down.shape[-1]), lora_b.t(), alpha=layer.scaling[adapter_name])
-        return result
+        updated = add_lora_update_(flat, down.reshape(-1, down.shape[-1]), lora_b, layer.scaling[adapter_name])
+        return updated.view(result.shape)
 
     setattr(forward, FUSED_FORWARD, True)
     return forward

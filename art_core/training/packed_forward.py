@@ -39,6 +39,7 @@ from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
 
 from art_core.models.llama_ops import layer_types, plain_layer_math, rotate
+from art_core.training.lora_update import add_lora_update_
 
 SUPPORTED_DECODERS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Gemma3TextModel"})
 _GEMMA3 = "Gemma3TextModel"
@@ -264,7 +265,7 @@ def project(x: Tensor, linears: list[nn.Module]) -> list[Tensor]:
     """Each linear layer applied to [N, in] inputs `x`. When all are plain LoRA layers of the same
     active adapter, their down-projections run as one matmul (`x` is read once, and backward
     computes one weight gradient and one input gradient for all of them), and each output is
-    `base(x) + scaling * down B^T`, added in place by one `addmm_`."""
+    `base(x) + scaling * down B^T`, added in place (`lora_update.add_lora_update_`)."""
     names = {active_plain_adapter(linear) for linear in linears}
     name = names.pop() if len(names) == 1 else None
     if name is None:
@@ -276,7 +277,7 @@ def project(x: Tensor, linears: list[nn.Module]) -> list[Tensor]:
         rank = lora.lora_A[name].weight.shape[0]
         up = lora.lora_B[name].weight.to(x.dtype)
         # In place on the base output (its matmul's backward does not need it): no copy of it.
-        out = lora.base_layer(x).addmm_(down[:, start : start + rank], up.t(), alpha=lora.scaling[name])
+        out = add_lora_update_(lora.base_layer(x), down[:, start : start + rank], up, lora.scaling[name])
         outputs.append(out)
         start += rank
     return outputs
