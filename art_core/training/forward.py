@@ -121,7 +121,9 @@ def _fused_forward(layer: Any, adapter_name: str) -> Any:
         down = F.linear(x, lora_a)
         # In place on the base output (its matmul's backward does not need it): no copy of it.
         flat = result.view(-1, result.shape[-1])
-        updated = add_lora_update_(flat, down.reshape(-1, down.shape[-1]), lora_b, layer.scaling[adapter_name])
+        updated = add_lora_update_(
+            flat, down.reshape(-1, down.shape[-1]), lora_b, layer.scaling[adapter_name]
+        )
         return updated.view(result.shape)
 
     setattr(forward, FUSED_FORWARD, True)

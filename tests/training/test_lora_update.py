@@ -37,7 +37,9 @@ def test_the_update_and_its_gradients_equal_autograd_of_the_plain_expression(dty
     ours, our_grads = run("ours")
     theirs, their_grads = run("plain")
     assert_close(ours, theirs, dtype=dtype, length=inputs + rank, depth=2)
-    for name, mine, reference in zip(["x", "weight", "lora_A", "lora_B"], our_grads, their_grads, strict=True):
+    for name, mine, reference in zip(
+        ["x", "weight", "lora_A", "lora_B"], our_grads, their_grads, strict=True
+    ):
         assert mine is not None and reference is not None, name
         assert mine.shape == reference.shape, name
         assert_close(mine, reference, dtype=dtype, length=rows + outputs, depth=3)
