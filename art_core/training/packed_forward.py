@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from art_core.models.llama_ops import layer_types, plain_layer_math, rotate
 from art_core.training.lora_update import add_lora_update_
+from art_core.training.rms_norm import rms_norm
 
 SUPPORTED_DECODERS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Gemma3TextModel"})
 _GEMMA3 = "Gemma3TextModel"
@@ -81,7 +82,7 @@ def packed_hidden_states(
         kind: _layout(body, hidden, position_ids, attention_mask, batch, prefix, kind) for kind in set(kinds)
     }
     for layer, kind in zip(body.layers, kinds, strict=True):
-        out = _attention(layer.self_attn, layer.input_layernorm(hidden), layouts[kind])
+        out = _attention(layer.self_attn, rms_norm(layer.input_layernorm, hidden), layouts[kind])
         if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: norms after attention and MLP too
             hidden = hidden + layer.post_attention_layernorm(out)
             hidden = hidden + layer.post_feedforward_layernorm(
@@ -89,8 +90,8 @@ def packed_hidden_states(
             )
         else:
             hidden = hidden + out
-            hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
-    hidden = body.norm(hidden)
+            hidden = hidden + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, hidden))
+    hidden = rms_norm(body.norm, hidden)
     rows, cols = positions.nonzero(as_tuple=True)
     index = torch.where(cols < prefix, cols, prefix + rows * own + cols - prefix)
     return hidden[index]

@@ -19,9 +19,11 @@ def test_decode_profile_tiny_prints_every_part_and_the_floor() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     for part in ("matmul qkv", "matmul gate_up", "matmul down_proj", "matmul o_proj", "matmul lm_head",
-                 "attention (SDPA)", "attention (KV append)", "norms", "rotary", "sampling",
+                 "attention (KV append)", "norms", "rotary", "sampling",
                  "grammar masks", "Python overhead", "memory bandwidth", "batch 1:", "batch 32:"):  # fmt: skip
         assert part in text, f"{part!r} missing from:\n{text}"
+    # SDPA in bf16, two batched matmuls in float32 (the serving dtype the CPU's probes chose)
+    assert "attention (SDPA)" in text or "attention (matmuls)" in text, text
     last = json.loads(text.strip().splitlines()[-1])
     assert set(last) == {"step_ms_b32", "floor_ms_b32", "fraction_of_floor"}
     assert last["step_ms_b32"] > 0 and last["floor_ms_b32"] > 0

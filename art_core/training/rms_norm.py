@@ -1,0 +1,58 @@
+"""RMSNorm with a frozen weight, as one autograd node: the trainer's norms for Llama-family models.
+
+transformers' `LlamaRMSNorm` (and Qwen2's, Qwen3's and Mistral's, the same code) runs ~6 tensor
+ops forward, so autograd records ~6 nodes and runs their backward one by one, each a pass over
+the [N, H] activations. In LoRA training the norm's weight is frozen, and the gradient with
+respect to the input has a closed form:
+
+    n = x * r,  r = 1 / sqrt(mean(x^2) + eps),  y = w * n
+    dL/dx = r * (g*w - n * mean(g*w * n))
+
+`frozen_rms_norm` computes the same forward (in float32, the normalised values cast back to the
+input's dtype before the weight multiplies them, as transformers does) and that backward in a few
+passes. SmolLM2's [545, 576] norm took 0.67 against 2.2-3.3 ms forward and backward (2 threads,
+AVX2), and a step runs 61 of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
+"""transformers' RMSNorm classes whose forward is `weight * (x * rsqrt(mean(x^2) + eps))`."""
+
+
+class _FrozenRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+        x32 = x.float()
+        scale = torch.rsqrt(torch.linalg.vecdot(x32, x32).div_(x.shape[-1]).add_(eps)).unsqueeze(-1)
+        ctx.save_for_backward(x, weight, scale)
+        return weight * (x32 * scale).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        x, weight, scale = ctx.saved_tensors
+        weighted = (grad * weight).float()
+        normed = x.float() * scale
+        mean = torch.linalg.vecdot(weighted, normed).div_(x.shape[-1]).unsqueeze(-1)
+        return weighted.sub_(normed.mul_(mean)).mul_(scale).to(x.dtype), None, None
+
+
+def rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
+    """`norm(x)`; through `_FrozenRMSNorm` when `norm` is one of `PLAIN_RMS_NORMS` with a frozen
+    weight and gradients are being recorded (else the module itself, hooks included)."""
+    module: Any = norm
+    if (
+        type(norm).__name__ not in PLAIN_RMS_NORMS
+        or module.weight.requires_grad
+        or not torch.is_grad_enabled()
+        or not x.requires_grad
+        or norm._forward_hooks
+        or norm._forward_pre_hooks
+    ):
+        return norm(x)  # type: ignore[no-any-return]
+    return _FrozenRMSNorm.apply(x, module.weight, module.variance_epsilon)  # type: ignore[no-any-return]
