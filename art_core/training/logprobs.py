@@ -223,6 +223,11 @@ def token_logprobs(
     frozen = _frozen_linear(lm_head)
     if frozen is not None:
         weight, bias = frozen
+        if flat_targets.numel() and int(flat_targets.max()) >= weight.shape[0]:
+            raise ValueError(
+                f"target id {int(flat_targets.max())} is outside the head's vocabulary of {weight.shape[0]}: "
+                "the tokens do not belong to this model's tokenizer"
+            )
         need_grad = torch.is_grad_enabled() and flat_hidden.requires_grad
         flat_logprobs, flat_entropy = _FrozenHeadLogprobs.apply(
             flat_hidden, weight, bias, flat_targets, chunk_size, vocab_block, with_entropy, need_grad

@@ -173,3 +173,11 @@ def test_shape_errors() -> None:
         token_logprobs(hidden, head, targets[:, :2])
     with pytest.raises(ValueError, match="chunk_size"):
         token_logprobs(hidden, head, targets, chunk_size=0)
+
+
+def test_a_target_outside_the_frozen_heads_vocabulary_is_an_error() -> None:
+    hidden, head, targets = make(7)
+    head.requires_grad_(False)
+    targets[0, 0] = V  # one past the vocabulary
+    with pytest.raises(ValueError, match="outside the head's vocabulary of 11"):
+        token_logprobs(hidden, head, targets)

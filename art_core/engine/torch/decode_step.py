@@ -10,7 +10,9 @@ the attention itself:
 - the padding mask is one boolean [B, 1, 1, L] tensor built once per step;
 - grouped-query attention without repeating keys and values: each row's queries are viewed as
   [B, kv_heads, group, head_dim], i.e. the `group` query heads that share a kv head act as the
-  "query length" of one SDPA call (there is no causal mask to apply for a single new token).
+  "query length" of one SDPA call (there is no causal mask to apply for a single new token); in
+  float32 on a CPU, two batched matmuls and a softmax instead (`matmul_attention`), 2-3x faster
+  than SDPA's kernel on these tiny problems.
 
 Supported: `LlamaForCausalLM`, `Qwen2ForCausalLM` and `Qwen3ForCausalLM` (its q/k norms: an
 RMSNorm over each head of the queries and keys before the rotation) with full attention in every
