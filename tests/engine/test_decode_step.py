@@ -210,6 +210,10 @@ def test_matmul_attention_equals_sdpa_on_cache_views_with_masked_columns() -> No
     )
     assert (ours - theirs).abs().max() <= tolerance
     assert torch.equal(ours[3], values[3, :, -1:].expand(kv_heads, group, dim))  # one key: its value exactly
+    # the decode step's bias, built once per kv head and sliced per layer, gives the same values
+    per_head = torch.zeros(rows, kv_heads, 1, length + 4)
+    per_head[..., 4:] = bias
+    assert torch.equal(matmul_attention(query, keys, values, per_head[..., -length:], dim**-0.5), ours)
     # a wrong mask is far outside that tolerance: the test can tell
     unmasked = matmul_attention(query, keys, values, torch.zeros_like(bias), dim**-0.5)
     assert (unmasked - theirs).abs().max() > 100 * tolerance

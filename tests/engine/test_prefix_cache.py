@@ -105,6 +105,40 @@ def test_store_skips_what_it_holds_drops_what_it_extends_and_evicts_the_least_re
         cache.store(a, *_views(a[:5]))
 
 
+def _batch(
+    sequences: list[list[int]], width: int
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """`_views` of several rows at once: a batch [B, 1 head, width, 3], each row left-padded."""
+    rows = [_views(tokens, padding=width - len(tokens)) for tokens in sequences]
+    layers = [
+        tuple(torch.cat([row[0][layer][kind][None] for row in rows]) for kind in (0, 1)) for layer in (0, 1)
+    ]
+    return layers, torch.stack([mask for _, mask in rows])  # type: ignore[return-value]
+
+
+def test_storing_rows_at_once_keeps_what_storing_them_in_turn_keeps() -> None:
+    a, b, c, d = [list(range(start, start + n)) for start, n in ((0, 9), (100, 6), (200, 3), (300, 12))]
+    layers, mask = _batch([a, b, c, d, a], width=12)
+    together, in_turn = PrefixCache(max_bytes=10**6, block=4), PrefixCache(max_bytes=10**6, block=4)
+    together.store_rows(layers, [0, 1, 2, 3, 4], [a, b, c, d, a], mask)  # c: too short; a again: held
+    for tokens in (a, b, c, d, a):
+        in_turn.store(tokens, *_views(tokens, padding=2))
+    assert together.stats() == in_turn.stats() and together.stats().stored == 3
+    for tokens in (a, b, d):
+        assert _cached_tokens(together, together.lookup(tokens + [1])) == tokens
+    # rows the call itself evicts are not written: their pages went to later rows
+    small = PrefixCache(max_bytes=5 * _page_bytes(4) + _page_bytes(1), block=4)  # 5 pages
+    layers, mask = _batch([a, b, d], width=12)
+    small.store_rows(layers, [2, 0, 1], [d, a, b], mask)  # d: 3 pages; a: 3, evicting d; b: 2
+    assert small.lookup(d + [1]).length == 0 and small.stats().evicted == 1
+    assert (
+        _cached_tokens(small, small.lookup(a + [1])) == a
+        and _cached_tokens(small, small.lookup(b + [1])) == b
+    )
+    with pytest.raises(ValueError, match="unmasked"):
+        small.store_rows(layers, [0], [b], mask)
+
+
 def test_the_arena_never_exceeds_its_budget_and_eviction_frees_its_pages() -> None:
     budget = 7 * _page_bytes(4) + _page_bytes(1) - 1  # one byte short of 7 pages and the padding slot
     cache = PrefixCache(max_bytes=budget, block=4)

@@ -105,16 +105,16 @@ def decode_step(
     else:
         rotary = dict.fromkeys(set(kinds), body.rotary_emb(hidden, positions))  # [B, 1, head_dim] each
     keep = mask.bool()[:, None, None, :]
-    bias = _attention_bias(keep, hidden)
+    bias = _attention_bias(keep, hidden, config.num_key_value_heads)
+    masking = keep if bias is None else bias  # SDPA's boolean mask, or matmul_attention's additive one
     for index, layer in enumerate(body.layers):
         attn = layer.self_attn
         cos, sin = rotary[kinds[index]]
         query, key, value = _qkv(attn, _norm(layer.input_layernorm, hidden), cos, sin, packs)
         layer_cache: Any = cache.layers[index]
         keys, values = layer_cache.update(key, value)
-        attend = (keep if bias is None else bias)[
-            ..., -keys.shape[-2] :
-        ]  # a sliding-window cache layer returns its last positions only
+        # the mask's last columns: a sliding-window cache layer returns its last positions only
+        attend = masking[..., -keys.shape[-2] :]
         window = getattr(attn, "sliding_window", None) if kinds[index] == "sliding_attention" else None
         if window:  # rows are contiguous in the padded layout: the window is the last `window` columns
             keys, values, attend = keys[..., -window:, :], values[..., -window:, :], attend[..., -window:]
@@ -134,9 +134,10 @@ def decode_step(
     return _apply(model.lm_head, hidden[:, -1], packs).float()
 
 
-def _attention_bias(keep: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
-    """The additive mask [B, 1, 1, L + 1] (0 where `keep`, -inf elsewhere) for `matmul_attention`
-    when the step runs in float32 on a CPU; None where it runs SDPA.
+def _attention_bias(keep: torch.Tensor, hidden: torch.Tensor, kv_heads: int) -> torch.Tensor | None:
+    """The additive mask [B, kv_heads, 1, L + 1] (0 where `keep`, -inf elsewhere) for
+    `matmul_attention` when the step runs in float32 on a CPU; None where it runs SDPA. Built once a
+    step, per kv head, so each layer's slice of it is a view `matmul_attention` uses as it is.
 
     Why by dtype: a decode step's attention is B x kv_heads tiny problems ([group, D] x [D, L]),
     and SDPA's CPU flash kernel spends more on their setup than on their FLOPs. Two batched
@@ -147,7 +148,9 @@ def _attention_bias(keep: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | 
     """
     if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
         return None
-    return torch.zeros(keep.shape, dtype=hidden.dtype).masked_fill_(~keep, float("-inf"))
+    rows, _, _, width = keep.shape
+    bias = torch.zeros((rows, kv_heads, 1, width), dtype=hidden.dtype)
+    return bias.masked_fill_(~keep, float("-inf"))
 
 
 def matmul_attention(
@@ -155,10 +158,26 @@ def matmul_attention(
 ) -> torch.Tensor:
     """Softmax attention [B, kv_heads, group, D] of one new token per row: queries [B, kv_heads,
     group, D] (each kv head's query heads along the query axis), keys and values [B, kv_heads, L, D],
-    `bias` [B, 1, 1, L] added to the scaled scores (-inf: not attended; every row attends to at
-    least its new token). The same values as `F.scaled_dot_product_attention` with the mask."""
-    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scale).add_(bias)
-    return torch.matmul(scores.softmax(dim=-1), values)
+    `bias` [B, kv_heads or 1, 1, L] added to the scaled scores (-inf: not attended; every row
+    attends to at least its new token). The same values as `F.scaled_dot_product_attention` with
+    the mask.
+
+    Three ops on the (row, kv head) problems as one batch: `baddbmm` (scores, scale and mask in
+    one), softmax, `bmm`; on a cache's views of keys and values the batch axes merge without a
+    copy. Against `matmul` + `mul_` + `add_` on the 4-d tensors: 167 against 276 us a layer at
+    context 60, 257 against 419 at 100 (SmolLM2's shapes, 32 rows, 2 threads, AVX2).
+    """
+    rows, kv_heads, group, dim = query.shape
+    length = keys.shape[-2]
+    problems = rows * kv_heads
+    scores = torch.baddbmm(
+        bias.expand(rows, kv_heads, 1, length).reshape(problems, 1, length),
+        query.reshape(problems, group, dim),
+        keys.reshape(problems, length, dim).transpose(1, 2),
+        alpha=scale,
+    )
+    out = torch.bmm(scores.softmax(dim=-1), values.reshape(problems, length, dim))
+    return out.view(rows, kv_heads, group, dim)
 
 
 def _qkv(

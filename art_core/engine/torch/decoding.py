@@ -36,7 +36,7 @@ from art_core.engine.torch.kv_cache import (
     growing_cache,
     join_caches,
     joinable,
-    row_views,
+    layer_views,
 )
 from art_core.engine.torch.prefix_cache import PrefixCache, PrefixHit
 from art_core.engine.torch.scheduler import MIN_SHARED_PROMPT as MIN_SHARED_PROMPT
@@ -259,15 +259,12 @@ class DecodeBatch:
 
     def _remember(self, cache_rows: list[int], sequences: list[list[int]]) -> None:
         """Store in the prefix cache what `cache_rows` of the batch's cache hold: `sequences`. The
-        cache copies the columns holding each row's tokens into pages of its arena, so its budget
-        evicts row by row and no cached row keeps the batch's buffers alive."""
-        cache = self.prefix_cache
-        if cache is None:
+        cache copies the columns holding each row's tokens into pages of its arena (all rows in one
+        copy per layer and kind), so its budget evicts row by row and no cached row keeps the
+        batch's buffers alive."""
+        if self.prefix_cache is None or not cache_rows:
             return
-        for row, sequence in zip(cache_rows, sequences, strict=True):
-            if not cache.holds(sequence):
-                start = int(self.mask[row].argmax())
-                cache.store(sequence, row_views(self.cache, row, start), self.mask[row, start:])
+        self.prefix_cache.store_rows(layer_views(self.cache), cache_rows, sequences, self.mask)
 
     def _prefill_shared(self, shared: int, owners: list[int]) -> torch.Tensor:
         """Logits of rows `owners` (one per distinct prompt), whose first `shared` prompt tokens are
@@ -315,9 +312,9 @@ class DecodeBatch:
             before = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
             next_ids = self.step(logits)
             ended = [i for i in before if self.rows[i].finish_reason is not None]
-            # The cache holds each ended row's prompt and its tokens but the last (never fed back).
+            _report([self.rows[i] for i in before], finished)  # answer first, then cache what they hold:
+            # each ended row's prompt and its tokens but the last (never fed back).
             self._remember(ended, [self.rows[i].prompt_ids + self.rows[i].token_ids[:-1] for i in ended])
-            _report([self.rows[i] for i in before], finished)
             live = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
             joiners = join(limit - len(live)) if join is not None and len(live) < limit else []
             if not live and not joiners:

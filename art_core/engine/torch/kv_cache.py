@@ -161,11 +161,11 @@ def drop_leading_columns(cache: DynamicCache, count: int) -> None:
         layer.drop_left(count)
 
 
-def row_views(cache: DynamicCache, row: int, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Batch row `row`'s keys and values from column `start` on: per layer, (keys, values), views
-    [kv_heads, length - start, head_dim] of the cache's buffers (read them before the cache changes)."""
+def layer_views(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The batch's keys and values: per layer, (keys, values), views [B, kv_heads, length, head_dim]
+    of the cache's buffers (read them before the cache changes)."""
     layers: list[Any] = list(cache.layers)
-    return [(layer.keys[row, :, start:], layer.values[row, :, start:]) for layer in layers]
+    return [(layer.keys, layer.values) for layer in layers]
 
 
 def fill_cache(cache: DynamicCache, store: torch.Tensor, slots: torch.Tensor) -> None:

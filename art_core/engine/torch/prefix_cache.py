@@ -188,21 +188,53 @@ class PrefixCache:
         an entry already holds whole, nor sequences longer than the whole arena. Entries that this
         one extends are dropped; then the least recently used ones until enough pages are free.
         """
-        mask = mask.bool()
-        columns = mask.nonzero()[:, 0]
-        if len(columns) != len(tokens) or any(keys.shape[-2] != mask.shape[0] for keys, _ in layers):
+        batch = [(keys[None], values[None]) for keys, values in layers]
+        self.store_rows(batch, [0], [tokens], mask[None])
+
+    def store_rows(
+        self,
+        layers: list[LayerKV],
+        rows: Sequence[int],
+        sequences: Sequence[Sequence[int]],
+        mask: torch.Tensor,
+    ) -> None:
+        """`store` of several rows of one batch, in order: `layers` are the batch's keys and values
+        (per layer, [B, kv_heads, columns, head_dim]; only read here), row `rows[i]` holds
+        `sequences[i]` on the columns where `mask[rows[i]]` [B, columns] is true.
+
+        The entries are placed row by row as `store` places them; their keys and values are then
+        copied in one gather and one scatter per layer and kind for all rows (a row at a time, 32
+        finished rows of SmolLM2 took 3,840 small copies, ~0.2-0.3 s, 3-5% of a round of
+        `bench/serve_throughput.py`). A row whose entry a later row of the same call evicted is
+        not copied: its pages belong to the later one.
+        """
+        widths = {keys.shape[-2] for keys, _ in layers}
+        if widths != {mask.shape[-1]}:
             raise ValueError(
-                f"{len(tokens)} tokens need as many unmasked columns, and keys as wide as the mask "
-                f"({mask.shape[0]} columns, {len(columns)} unmasked)"
+                f"keys as wide as the mask needed: {sorted(widths)} columns against {mask.shape[-1]}"
             )
-        if len(tokens) < self.block:
-            return
-        key = tuple(int(t) for t in tokens)
-        if self.holds(key) or not self._ensure_arena(layers):
-            return
+        placed: list[tuple[_Entry, int, torch.Tensor]] = []
+        for row, tokens in zip(rows, sequences, strict=True):
+            columns = mask[row].bool().nonzero()[:, 0]
+            if len(columns) != len(tokens):
+                raise ValueError(
+                    f"{len(tokens)} tokens need as many unmasked columns, row {row} has {len(columns)}"
+                )
+            entry = self._place(tuple(int(t) for t in tokens), layers)
+            if entry is not None:
+                placed.append((entry, row, columns))
+        kept = [(entry, row, columns) for entry, row, columns in placed if id(entry) in self._entries]
+        if kept:
+            self._write(kept, layers)
+
+    def _place(self, key: tuple[int, ...], layers: list[LayerKV]) -> _Entry | None:
+        """A new entry for `key` with its pages, indexed (its keys and values not yet written);
+        None where `store` keeps nothing."""
+        if len(key) < self.block or self.holds(key) or not self._ensure_arena(layers):
+            return None
         needed = -(-len(key) // self.block)
         if needed > self._pages:
-            return
+            return None
         chain = self._chain(key)
         for link in chain:
             older = self._index.get(link)
@@ -211,17 +243,17 @@ class PrefixCache:
         while len(self._free) < needed:
             self._evict(next(iter(self._entries.values())))
         entry = _Entry(key, [self._free.pop() for _ in range(needed)], chain)
-        self._write(entry, layers, columns if len(columns) < mask.shape[0] else None)
         for link in chain:
             self._index[link] = entry
         self._entries[id(entry)] = entry
         self._counts["stored"] += 1
+        return entry
 
     def _ensure_arena(self, layers: list[LayerKV]) -> bool:
         """Allocate the arena for keys shaped like `layers`' on the first store; False if not even
         one page fits the budget. Raises ValueError for keys of another shape while entries are held."""
         keys = layers[0][0]
-        heads, _, dim = keys.shape
+        heads, dim = keys.shape[-3], keys.shape[-1]
         shape = (len(layers), 2, heads, dim)
         arena = self._arena
         if arena is not None:
@@ -252,15 +284,17 @@ class PrefixCache:
         self.clear()
         return self._pages > 0
 
-    def _write(self, entry: _Entry, layers: list[LayerKV], columns: torch.Tensor | None) -> None:
-        """Copy the tokens' columns (`columns`; None: every column) of `layers` into `entry`'s pages."""
+    def _write(self, placed: list[tuple[_Entry, int, torch.Tensor]], layers: list[LayerKV]) -> None:
+        """Copy each (entry, batch row, its token columns) of `placed` from `layers` into the entry's pages."""
         assert self._arena is not None
-        slots = self._slots(entry.pages, len(entry.tokens))
+        device = self._arena.device
+        slots = torch.cat([self._slots(entry.pages, len(entry.tokens)) for entry, _, _ in placed])
+        rows = torch.cat([torch.full((len(columns),), row, device=device) for _, row, columns in placed])
+        columns = torch.cat([columns for _, _, columns in placed]).to(device)
         with torch.no_grad():
             for target, (keys, values) in zip(self._arena, layers, strict=True):
                 for kind, source in enumerate((keys, values)):
-                    picked = source if columns is None else source.index_select(1, columns)
-                    target[kind].index_copy_(1, slots, picked)
+                    target[kind].index_copy_(1, slots, source[rows, :, columns].transpose(0, 1))
 
     def _slots(self, pages: Sequence[int], length: int) -> torch.Tensor:
         """The arena slots of the first `length` tokens held in `pages`, in order."""
