@@ -38,9 +38,10 @@ import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
 
-from art_core.models.llama_ops import layer_types, plain_layer_math, rotate
+from art_core.models.llama_ops import layer_types, plain_layer_math
 from art_core.training.lora_update import add_lora_update_
 from art_core.training.rms_norm import rms_norm
+from art_core.training.rotary import rotate, signed_sin
 
 SUPPORTED_DECODERS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Gemma3TextModel"})
 _GEMMA3 = "Gemma3TextModel"
@@ -116,7 +117,7 @@ def _layout(
     return _Layout(
         batch=batch,
         prefix=prefix,
-        rotary=(cos[0, :, None, :], sin[0, :, None, :]),  # [N, 1, head_dim]
+        rotary=(cos[0, :, None, :], signed_sin(sin[0, :, None, :])),  # [N, 1, head_dim]
         biases=_biases(attention_mask[:, prefix:].bool(), prefix, attn, hidden.dtype, window),
     )
 
@@ -130,7 +131,8 @@ class _Layout:
     prefix: int
     """Shared prefix tokens (P), packed first; then each row's R own tokens."""
     rotary: tuple[Tensor, Tensor]
-    """cos and sin [N, 1, head_dim] at each packed token's position."""
+    """cos and sin [N, 1, head_dim] at each packed token's position, the sine's first half negated
+    (`rotary.signed_sin`)."""
     biases: tuple[Tensor | None, Tensor]
     """Additive attention biases (0 or the dtype's minimum) of the prefix [kv_heads, group * P, P]
     (None without a prefix) and of the rows [B * kv_heads, group * R, P + R]."""

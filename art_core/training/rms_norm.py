@@ -8,9 +8,10 @@ respect to the input has a closed form:
     n = x * r,  r = 1 / sqrt(mean(x^2) + eps),  y = w * n
     dL/dx = r * (g*w - n * mean(g*w * n))
 
-`frozen_rms_norm` computes the same forward (in float32, the normalised values cast back to the
-input's dtype before the weight multiplies them, as transformers does) and that backward in a few
-passes. SmolLM2's [545, 576] norm took 0.67 against 2.2-3.3 ms forward and backward (2 threads,
+`_FrozenRMSNorm` computes the same forward (in float32, the normalised values cast back to the
+input's dtype before the weight multiplies them, as transformers does) and that backward, as
+`r * g*w - x * (r^3 * mean(g*w * x))`, in four passes over [N, H] (a product, a dot product per
+row, a scaling and a fused multiply-add). SmolLM2's [545, 576] norm took 0.67 against 2.2-3.3 ms forward and backward (2 threads,
 AVX2), and a step runs 61 of them.
 """
 
@@ -37,9 +38,10 @@ class _FrozenRMSNorm(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         x, weight, scale = ctx.saved_tensors
         weighted = (grad * weight).float()
-        normed = x.float() * scale
-        mean = torch.linalg.vecdot(weighted, normed).div_(x.shape[-1]).unsqueeze(-1)
-        return weighted.sub_(normed.mul_(mean)).mul_(scale).to(x.dtype), None, None
+        x32 = x.float()
+        # r * (g*w - n * mean(g*w * n)) with n = x * r: r * g*w - x * r^3 * mean(g*w * x)
+        coefficient = torch.linalg.vecdot(weighted, x32).div_(x.shape[-1]).unsqueeze(-1).mul_(scale.pow(3))
+        return weighted.mul_(scale).addcmul_(x32, coefficient, value=-1).to(x.dtype), None, None
 
 
 def rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
