@@ -1,8 +1,9 @@
 """Llama/Qwen2 tensor ops that both our decode step and our training forward compute.
 
 Holds `rotate` (the rotary position embedding, transformers' `apply_rotary_pos_emb` for one
-position per leading index), `layer_types` and `plain_layer_math` (the config rule both fast paths
-share: which attention kinds, windows and soft-capping they implement). The engine's `engine.torch.decode_step` and the trainer's
+position per leading index), `PLAIN_RMS_NORMS` (the norm classes both fast paths replace by their
+own RMSNorm), `layer_types` and `plain_layer_math` (the config rule both fast paths share: which
+attention kinds, windows and soft-capping they implement). The engine's `engine.torch.decode_step` and the trainer's
 `training.packed_forward` each run their own layer loop but must rotate exactly as transformers
 does, so the op lives once here, below both. Left out: the layer loops, attention and the fused
 projections (each caller's own).
@@ -13,6 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
+"""transformers' RMSNorm classes whose forward is `weight * (x * rsqrt(mean(x^2) + eps))`, in
+float32, the normalised values cast back to the input's dtype before the weight multiplies them."""
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

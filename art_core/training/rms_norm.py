@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
-"""transformers' RMSNorm classes whose forward is `weight * (x * rsqrt(mean(x^2) + eps))`."""
+from art_core.models.llama_ops import PLAIN_RMS_NORMS
 
 
 class _FrozenRMSNorm(torch.autograd.Function):

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from art_core.models.hardware import cpu_has_native_bf16, onednn_packs_bf16
-from art_core.models.llama_ops import layer_types, plain_layer_math, rotate
+from art_core.models.llama_ops import PLAIN_RMS_NORMS, layer_types, plain_layer_math, rotate
 
 SUPPORTED_MODELS = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"}
@@ -217,9 +217,9 @@ def _qkv(
 
 
 def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
-    """Llama's/Qwen2's/Qwen3's RMSNorm as torch's one `rms_norm` op (the module runs ~8 elementwise
-    ops; the values are the same: both normalise in float32)."""
-    if type(norm).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"):
+    """Llama's/Mistral's/Qwen2's/Qwen3's RMSNorm as torch's one `rms_norm` op (the module runs ~8
+    elementwise ops; the values are the same: both normalise in float32)."""
+    if type(norm).__name__ not in PLAIN_RMS_NORMS:
         return norm(x)  # type: ignore[no-any-return]
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
