@@ -76,6 +76,9 @@ def main() -> None:
     args = parser.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
+    from art_core.engine.heap import keep_freed_memory
+
+    keep_freed_memory()  # what the `art` CLI does for its own process
     print(machine_header(), flush=True)
     trainer, batch = build(args.threads)
     trainer.train_step(batch)  # warm-up

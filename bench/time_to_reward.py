@@ -169,6 +169,9 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
 def run_worker(args: argparse.Namespace) -> None:
     import torch
 
+    from art_core.engine.heap import keep_freed_memory
+
+    keep_freed_memory()  # both trainers alike: what the `art` CLI does for its own process
     torch.set_num_threads(args.threads)
     result = worker_ours(args) if args.worker == "ours" else worker_trl(args)
     print("RESULT " + json.dumps(result), flush=True)

@@ -537,11 +537,13 @@ def _quiet_logs() -> None:
 
 
 def main() -> None:
+    from art_core.engine.heap import keep_freed_memory
     from art_core.engine.onednn import bound_primitive_caches
     from art_core.engine.openmp import prefer_short_spin
 
     prefer_short_spin()  # before anything imports torch: its OpenMP reads the wait policy once
     bound_primitive_caches()  # likewise oneDNN's and ideep's cache capacities
+    keep_freed_memory()  # a train step's freed memory is reused, not returned and faulted back in
     app()
 
 
