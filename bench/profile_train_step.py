@@ -76,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
-    from art_core.engine.heap import keep_freed_memory
+    from art_core.models.allocator import keep_freed_memory
 
     keep_freed_memory()  # what the `art` CLI does for its own process
     print(machine_header(), flush=True)

@@ -34,9 +34,9 @@ from serve_common import (
 
 def worker_ours(args: argparse.Namespace) -> None:
     """Register the model on a LocalBackend, put the random adapter into the live LoRA, serve it."""
-    from art_core.engine.heap import keep_freed_memory
     from art_core.engine.onednn import bound_primitive_caches
     from art_core.engine.openmp import prefer_short_spin, release_thread_pool, wait_policy
+    from art_core.models.allocator import keep_freed_memory
 
     prefer_short_spin()  # what the `art` CLI does; before torch loads its OpenMP
     bound_primitive_caches()  # and its oneDNN primitive caches

@@ -169,7 +169,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
 def run_worker(args: argparse.Namespace) -> None:
     import torch
 
-    from art_core.engine.heap import keep_freed_memory
+    from art_core.models.allocator import keep_freed_memory
 
     keep_freed_memory()  # both trainers alike: what the `art` CLI does for its own process
     torch.set_num_threads(args.threads)

@@ -18,7 +18,7 @@ learning rate and one AdamW step with the gradient norm clipped to 1.0.
   rate, the rest at the auto rate), divided by the step's time.
 
 Each runs in its own subprocess (this file with `--worker NAME`), so each peak RSS (`ru_maxrss`) is its
-own, with the same torch thread count and the same glibc heap settings (`art_core.engine.heap`, what
+own, with the same torch thread count and the same glibc heap settings (`art_core.models.allocator.keep_freed_memory`, what
 the `art` CLI sets: freed memory kept for reuse). The two trainers' processes run side by side but take turns
 (ours, trl, ours, trl, ...; the idle one blocks on a pipe), so load from other programs on the machine
 hits both alike. A time is the median of `--repeats` steps after one warm-up step. The last line
@@ -372,7 +372,7 @@ def run_worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from art_core.engine.heap import keep_freed_memory
+    from art_core.models.allocator import keep_freed_memory
 
     keep_freed_memory()  # every worker alike, TRL's too: what our CLI does for its own process
     torch.set_num_threads(args.threads)

@@ -537,9 +537,9 @@ def _quiet_logs() -> None:
 
 
 def main() -> None:
-    from art_core.engine.heap import keep_freed_memory
     from art_core.engine.onednn import bound_primitive_caches
     from art_core.engine.openmp import prefer_short_spin
+    from art_core.models.allocator import keep_freed_memory
 
     prefer_short_spin()  # before anything imports torch: its OpenMP reads the wait policy once
     bound_primitive_caches()  # likewise oneDNN's and ideep's cache capacities

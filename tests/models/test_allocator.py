@@ -1,4 +1,4 @@
-"""glibc's heap settings for our processes (`engine.heap`): what they change, and that users' own win."""
+"""glibc heap settings (`models.allocator.keep_freed_memory`): what they change, and that users' own win."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from art_core.engine.heap import keep_freed_memory
+from art_core.models.allocator import keep_freed_memory
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -16,7 +16,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 # Prints the page faults of the second round.
 ROUNDS = """
 import ctypes, resource, sys
-from art_core.engine.heap import keep_freed_memory
+from art_core.models.allocator import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 libc = ctypes.CDLL("libc.so.6")
