@@ -135,8 +135,9 @@ def test_storing_rows_at_once_keeps_what_storing_them_in_turn_keeps() -> None:
         _cached_tokens(small, small.lookup(a + [1])) == a
         and _cached_tokens(small, small.lookup(b + [1])) == b
     )
-    with pytest.raises(ValueError, match="unmasked"):
-        small.store_rows(layers, [0], [b], mask)
+    with pytest.raises(ValueError, match="unmasked"):  # a bad row: nothing of the call is stored
+        small.store_rows(layers, [2, 0], [d, b], mask)
+    assert small.lookup(d + [1]).length == 0 and small.stats().stored == 3
 
 
 def test_the_arena_never_exceeds_its_budget_and_eviction_frees_its_pages() -> None:

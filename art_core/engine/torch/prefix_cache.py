@@ -213,13 +213,16 @@ class PrefixCache:
             raise ValueError(
                 f"keys as wide as the mask needed: {sorted(widths)} columns against {mask.shape[-1]}"
             )
-        placed: list[tuple[_Entry, int, torch.Tensor]] = []
-        for row, tokens in zip(rows, sequences, strict=True):
-            columns = mask[row].bool().nonzero()[:, 0]
+        held = [mask[row].bool().nonzero()[:, 0] for row in rows]
+        for row, tokens, columns in zip(
+            rows, sequences, held, strict=True
+        ):  # all checked before any is placed
             if len(columns) != len(tokens):
                 raise ValueError(
                     f"{len(tokens)} tokens need as many unmasked columns, row {row} has {len(columns)}"
                 )
+        placed: list[tuple[_Entry, int, torch.Tensor]] = []
+        for row, tokens, columns in zip(rows, sequences, held, strict=True):
             entry = self._place(tuple(int(t) for t in tokens), layers)
             if entry is not None:
                 placed.append((entry, row, columns))
