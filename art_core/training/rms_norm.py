@@ -11,8 +11,8 @@ respect to the input has a closed form:
 `_FrozenRMSNorm` computes the same forward (in float32, the normalised values cast back to the
 input's dtype before the weight multiplies them, as transformers does) and that backward, as
 `r * g*w - x * (r^3 * mean(g*w * x))`, in four passes over [N, H] (a product, a dot product per
-row, a scaling and a fused multiply-add). SmolLM2's [545, 576] norm took 0.67 against 2.2-3.3 ms forward and backward (2 threads,
-AVX2), and a step runs 61 of them.
+row, a scaling and a fused multiply-add). SmolLM2's [545, 576] norm took 0.67 against 2.2-3.3 ms
+forward and backward (2 threads, AVX2), and a step runs 61 of them.
 """
 
 from __future__ import annotations
