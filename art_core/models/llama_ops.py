@@ -4,9 +4,10 @@ Holds `rotate` (the rotary position embedding, transformers' `apply_rotary_pos_e
 position per leading index), `PLAIN_RMS_NORMS` (the norm classes both fast paths replace by their
 own RMSNorm), `layer_types` and `plain_layer_math` (the config rule both fast paths share: which
 attention kinds, windows and soft-capping they implement). The engine's `engine.torch.decode_step` and the trainer's
-`training.packed_forward` each run their own layer loop but must rotate exactly as transformers
-does, so the op lives once here, below both. Left out: the layer loops, attention and the fused
-projections (each caller's own).
+`training.packed_forward` each run their own layer loop but must rotate as transformers does, so
+the op lives once here, below both; the trainer differentiates through `training.rotary.rotate`,
+the same rotation (to one rounding) as one autograd node with a closed-form backward. Left out:
+the layer loops, attention and the fused projections (each caller's own).
 """
 
 from __future__ import annotations
