@@ -176,10 +176,8 @@ def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
     libc = _libc()
     if libc is None:
         return False
-    if any(name in environ for name in USER_MALLOC_SETTINGS) or "glibc.malloc." in environ.get(
-        "GLIBC_TUNABLES", ""
-    ):
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if any(name in environ for name in USER_MALLOC_SETTINGS) or "glibc.malloc." in tunables:
         return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-        libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
-    )
+    mmap_set = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    return mmap_set and bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))

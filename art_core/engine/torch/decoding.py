@@ -312,8 +312,9 @@ class DecodeBatch:
             before = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
             next_ids = self.step(logits)
             ended = [i for i in before if self.rows[i].finish_reason is not None]
-            _report([self.rows[i] for i in before], finished)  # answer first, then cache what they hold:
-            # each ended row's prompt and its tokens but the last (never fed back).
+            # Answer first, then cache what the ended rows hold: each one's prompt and its tokens
+            # but the last (never fed back).
+            _report([self.rows[i] for i in before], finished)
             self._remember(ended, [self.rows[i].prompt_ids + self.rows[i].token_ids[:-1] for i in ended])
             live = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
             joiners = join(limit - len(live)) if join is not None and len(live) < limit else []

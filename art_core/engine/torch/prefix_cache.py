@@ -50,7 +50,8 @@ BLOCK = 16
 """Tokens per page and per indexed block: lookups find whole blocks by hash, then extend token by token."""
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
-"""One layer's keys and values of one sequence, each [kv_heads, columns, head_dim]."""
+"""One layer's keys and values, each [kv_heads, columns, head_dim] for one sequence (`store`,
+`keys_values`) or [B, kv_heads, columns, head_dim] for a batch (`store_rows`)."""
 
 
 @dataclass(frozen=True)
@@ -214,9 +215,8 @@ class PrefixCache:
                 f"keys as wide as the mask needed: {sorted(widths)} columns against {mask.shape[-1]}"
             )
         held = [mask[row].bool().nonzero()[:, 0] for row in rows]
-        for row, tokens, columns in zip(
-            rows, sequences, held, strict=True
-        ):  # all checked before any is placed
+        # Every row is checked before any is placed: a placed entry's pages are written only at the end.
+        for row, tokens, columns in zip(rows, sequences, held, strict=True):
             if len(columns) != len(tokens):
                 raise ValueError(
                     f"{len(tokens)} tokens need as many unmasked columns, row {row} has {len(columns)}"
