@@ -1,12 +1,15 @@
 """Llama/Qwen2 tensor ops that both our decode step and our training forward compute.
 
 Holds `rotate` (the rotary position embedding, transformers' `apply_rotary_pos_emb` for one
-position per leading index), `PLAIN_RMS_NORMS` (the norm classes both fast paths replace by their
+position per leading index) and `rotate_signed` (the same with the sign folded into the sine
+once, `signed_sin`, and the halves swapped by `swap_halves`: what the decode step runs),
+`PLAIN_RMS_NORMS` (the norm classes both fast paths replace by their
 own RMSNorm), `layer_types` and `plain_layer_math` (the config rule both fast paths share: which
 attention kinds, windows and soft-capping they implement). The engine's `engine.torch.decode_step` and the trainer's
 `training.packed_forward` each run their own layer loop but must rotate as transformers does, so
 the op lives once here, below both; the trainer differentiates through `training.rotary.rotate`,
-the same rotation (to one rounding) as one autograd node with a closed-form backward. Left out:
+the same signed-sine rotation (one multiply-add: to one rounding) as one autograd node with a
+closed-form backward. Left out:
 the layer loops, attention and the fused projections (each caller's own).
 """
 
@@ -31,6 +34,25 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """Rotary embedding (transformers' `apply_rotary_pos_emb`) of [..., heads, head_dim] with cos/sin
     [..., 1, head_dim]: one token position per leading index, broadcast over the heads."""
     return x * cos + rotate_half(x) * sin
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """`sin` [..., head_dim] with its first half negated: the sign `rotate_half` gives x's second
+    half, folded into the sine once (per step) instead of into x (per layer)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """The last dimension's two halves exchanged (`rotate_half` without its sign); its own transpose."""
+    return x.roll(x.shape[-1] // 2, dims=-1)
+
+
+def rotate_signed(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate(x, cos, plain_sin)` given `sin = signed_sin(plain_sin)`: `x * cos + swap_halves(x) *
+    sin`, four ops where `rotate` runs seven, rounded as `rotate` rounds (the same values in every
+    dtype: negating the sine's half is exact)."""
+    return x * cos + swap_halves(x) * sin
 
 
 SLIDING_WINDOW_FAMILIES = frozenset({"gemma3"})

@@ -9,7 +9,8 @@ SmolLM2 runs 60 of them (queries and keys of 30 layers): ~70 ms a step on a 2-co
 With the sign of `rotate_half` folded into the sine once per step (`signed_sin`: [-sin1, sin2]),
 the rotation is `x * cos + swap(x) * signed_sin`, `swap` exchanging the halves of the last
 dimension. `swap` is its own transpose, so the input gradient is `g * cos + swap(g * signed_sin)`:
-three passes each way (`rotate`).
+three passes each way (`rotate`). `signed_sin` and the swap (`swap_halves`) live in
+`models.llama_ops`, which the decode step's rotation (`rotate_signed`) uses too.
 """
 
 from __future__ import annotations
@@ -19,28 +20,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from art_core.models.llama_ops import signed_sin, swap_halves
 
-def signed_sin(sin: Tensor) -> Tensor:
-    """`sin` [..., head_dim] with its first half negated (the sign `rotate_half` gives x's second half)."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def _swap(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
+__all__ = ["rotate", "signed_sin"]
 
 
 class _Rotate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(cos, sin)
-        return (x * cos).addcmul_(_swap(x), sin)
+        return (x * cos).addcmul_(swap_halves(x), sin)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         cos, sin = ctx.saved_tensors
-        return _swap(grad * sin).addcmul_(grad, cos), None, None
+        return swap_halves(grad * sin).addcmul_(grad, cos), None, None
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -49,4 +43,4 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     node when `x` needs a gradient."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _Rotate.apply(x, cos, sin)  # type: ignore[no-any-return]
-    return (x * cos).addcmul_(_swap(x), sin)
+    return (x * cos).addcmul_(swap_halves(x), sin)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from art_core.models.llama_ops import rotate as reference
+from art_core.models.llama_ops import rotate_signed, swap_halves
 from art_core.training.rotary import rotate, signed_sin
 from tests.tolerances import rounding_tolerance
 
@@ -41,3 +42,11 @@ def test_backward_is_the_jacobian_transpose_in_float64() -> None:
     x, cos, sin = _inputs(torch.float64)
     signed = signed_sin(sin)
     assert torch.autograd.gradcheck(lambda t: rotate(t, cos, signed), (x.clone().requires_grad_(),))
+
+
+def test_decode_steps_signed_rotation_equals_transformers_bit_for_bit() -> None:
+    """`llama_ops.rotate_signed` (the decode step's) rounds as transformers' formula does, in every dtype."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x, cos, sin = _inputs(dtype)
+        assert torch.equal(rotate_signed(x, cos, signed_sin(sin)), reference(x, cos, sin))
+        assert torch.equal(swap_halves(swap_halves(x)), x)

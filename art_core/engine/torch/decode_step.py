@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from art_core.models.hardware import cpu_has_native_bf16, onednn_packs_bf16
-from art_core.models.llama_ops import PLAIN_RMS_NORMS, layer_types, plain_layer_math, rotate
+from art_core.models.llama_ops import PLAIN_RMS_NORMS, layer_types, plain_layer_math, signed_sin
+from art_core.models.llama_ops import rotate_signed as rotate
 
 SUPPORTED_MODELS = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"}
@@ -65,6 +66,7 @@ def fuse_projections(model: Any) -> None:
     """
     if not supports_decode_step(model):
         return
+    vars(model).pop(LAYERS, None)  # `decode_step`'s view of the layers, made before the fusion
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.art_qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -87,6 +89,101 @@ def _fuse(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     return fused, bias
 
 
+@dataclass(frozen=True)
+class _RMSNorm:
+    """A plain RMSNorm (`PLAIN_RMS_NORMS`) as torch's one `rms_norm` op: its weight and epsilon."""
+
+    weight: torch.Tensor
+    eps: float
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """What `decode_step` reads of one decoder layer, looked up once per model (`_layers`): attribute
+    chains through `nn.Module.__getattr__` (and `hasattr` probes that raise inside it) cost ~2-4 us
+    each, ~20 of them a layer, every step."""
+
+    kind: str
+    """The layer's attention kind (`layer_types`): picks its rotary table."""
+    window: int | None
+    """Sliding-window length for a sliding-attention layer, else None."""
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    input_norm: Any
+    """`_RMSNorm`, or the module where the norm is not a plain RMSNorm (`_norm` runs either)."""
+    post_attention_norm: Any
+    pre_feedforward_norm: Any | None
+    """Gemma 3's norms around the MLP (it also normalises the attention's output); None elsewhere."""
+    post_feedforward_norm: Any | None
+    q_norm: Any | None
+    """Qwen3's and Gemma 3's per-head norms of queries and keys before the rotation; None elsewhere."""
+    k_norm: Any | None
+    attn: Any
+    """The attention module (its q/k/v projections when they are not fused)."""
+    qkv: tuple[torch.Tensor, torch.Tensor | None] | None
+    """`fuse_projections`' q/k/v weight and bias, or None."""
+    o_proj: Any
+    mlp: Any
+    gate_up: tuple[torch.Tensor, torch.Tensor | None] | None
+    """`fuse_projections`' gate/up weight and bias, or None (the MLP module runs whole)."""
+    down_proj: Any
+    act: Any
+
+
+LAYERS = "art_decode_layers"
+"""Attribute of a model holding its `_Layer`s (made on the first `decode_step`)."""
+
+
+def _layers(model: Any) -> tuple[_Layer, ...]:
+    """`model`'s layers as `decode_step` reads them, made once and kept on the model. The serving copy's
+    weights change in place (re-merges); its modules and parameters are never replaced after
+    `fuse_projections`, which runs before the first step."""
+    cached: tuple[_Layer, ...] | None = getattr(model, LAYERS, None)
+    if cached is not None:
+        return cached
+    config, kinds = model.config, layer_types(model.config)
+    layers = []
+    for index, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        gemma = hasattr(layer, "pre_feedforward_layernorm")
+        sliding = kinds[index] == "sliding_attention"
+        layers.append(
+            _Layer(
+                kind=kinds[index],
+                window=getattr(attn, "sliding_window", None) if sliding else None,
+                heads=config.num_attention_heads,
+                kv_heads=config.num_key_value_heads,
+                head_dim=attn.head_dim,
+                scaling=attn.scaling,
+                input_norm=_norm_of(layer.input_layernorm),
+                post_attention_norm=_norm_of(layer.post_attention_layernorm),
+                pre_feedforward_norm=_norm_of(layer.pre_feedforward_layernorm) if gemma else None,
+                post_feedforward_norm=_norm_of(layer.post_feedforward_layernorm) if gemma else None,
+                q_norm=_norm_of(attn.q_norm) if getattr(attn, "q_norm", None) is not None else None,
+                k_norm=_norm_of(attn.k_norm) if getattr(attn, "k_norm", None) is not None else None,
+                attn=attn,
+                qkv=getattr(attn, "art_qkv", None),
+                o_proj=attn.o_proj,
+                mlp=mlp,
+                gate_up=getattr(mlp, "art_gate_up", None),
+                down_proj=mlp.down_proj,
+                act=mlp.act_fn,
+            )
+        )
+    result = tuple(layers)
+    setattr(model, LAYERS, result)
+    return result
+
+
+def _norm_of(norm: Any) -> Any:
+    """`_RMSNorm` for a plain RMSNorm module, else the module itself."""
+    if type(norm).__name__ in PLAIN_RMS_NORMS:
+        return _RMSNorm(norm.weight, norm.variance_epsilon)
+    return norm
+
+
 def decode_step(
     model: Any, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: DynamicCache
 ) -> torch.Tensor:
@@ -96,41 +193,42 @@ def decode_step(
     to (0: left padding) plus the new one; `cache` holds L positions per row.
     """
     body = model.model
-    config = model.config
+    layers = _layers(model)
     packs: dict[int, _Packed] | None = getattr(model, PACKED_WEIGHTS, None)
     hidden = body.embed_tokens(input_ids)  # [B, 1, H] (Gemma 3's module scales by sqrt(H) itself)
-    kinds = layer_types(config)
+    kinds = {layer.kind for layer in layers}
     if type(model).__name__ in _PER_LAYER_TYPE_ROTARY:  # Gemma 3: local and global rope bases
-        rotary = {kind: body.rotary_emb(hidden, positions, kind) for kind in set(kinds)}
+        tables = {kind: body.rotary_emb(hidden, positions, kind) for kind in kinds}
     else:
-        rotary = dict.fromkeys(set(kinds), body.rotary_emb(hidden, positions))  # [B, 1, head_dim] each
+        tables = dict.fromkeys(kinds, body.rotary_emb(hidden, positions))  # [B, 1, head_dim] each
+    rotary = {kind: (cos, signed_sin(sin)) for kind, (cos, sin) in tables.items()}
     keep = mask.bool()[:, None, None, :]
-    bias = _attention_bias(keep, hidden, config.num_key_value_heads)
-    masking = keep if bias is None else bias  # SDPA's boolean mask, or matmul_attention's additive one
-    for index, layer in enumerate(body.layers):
-        attn = layer.self_attn
-        cos, sin = rotary[kinds[index]]
-        query, key, value = _qkv(attn, _norm(layer.input_layernorm, hidden), cos, sin, packs)
+    bias = _attention_bias(keep, hidden, model.config.num_key_value_heads)
+    width = keep.shape[-1]
+    # SDPA's boolean mask, or matmul_attention's additive one as its [B * kv_heads, 1, L + 1] problems
+    masking = keep if bias is None else bias.view(-1, 1, width)
+    for index, layer in enumerate(layers):
+        query, key, value = _qkv(layer, _norm(layer.input_norm, hidden), *rotary[layer.kind], packs)
         layer_cache: Any = cache.layers[index]
         keys, values = layer_cache.update(key, value)
-        # the mask's last columns: a sliding-window cache layer returns its last positions only
-        attend = masking[..., -keys.shape[-2] :]
-        window = getattr(attn, "sliding_window", None) if kinds[index] == "sliding_attention" else None
-        if window:  # rows are contiguous in the padded layout: the window is the last `window` columns
+        length = keys.shape[-2]  # a sliding-window cache layer returns its last positions only
+        attend = masking if length == width else masking[..., -length:]
+        if layer.window:  # rows are contiguous in the padded layout: the window is the last `window` columns
+            window = layer.window
             keys, values, attend = keys[..., -window:, :], values[..., -window:, :], attend[..., -window:]
         if bias is None:
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=attend, scale=attn.scaling)
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=attend, scale=layer.scaling)
         else:
-            out = matmul_attention(query, keys, values, attend, attn.scaling)
-        out = _apply(attn.o_proj, out.reshape(input_ids.shape[0], 1, -1), packs)
-        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: norms after attention and MLP too
-            hidden = hidden + _norm(layer.post_attention_layernorm, out)
-            mlp = _mlp(layer.mlp, _norm(layer.pre_feedforward_layernorm, hidden), packs)
-            hidden = hidden + _norm(layer.post_feedforward_layernorm, mlp)
+            out = matmul_attention(query, keys, values, attend, layer.scaling)
+        out = _apply(layer.o_proj, out.reshape(input_ids.shape[0], 1, -1), packs)
+        if layer.pre_feedforward_norm is not None:  # Gemma 3: norms after attention and MLP too
+            hidden = hidden + _norm(layer.post_attention_norm, out)
+            mlp = _mlp(layer, _norm(layer.pre_feedforward_norm, hidden), packs)
+            hidden = hidden + _norm(layer.post_feedforward_norm, mlp)
         else:
             hidden = hidden + out
-            hidden = hidden + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden), packs)
-    hidden = _norm(body.norm, hidden)
+            hidden = hidden + _mlp(layer, _norm(layer.post_attention_norm, hidden), packs)
+    hidden = _norm(_norm_of(body.norm), hidden)
     return _apply(model.lm_head, hidden[:, -1], packs).float()
 
 
@@ -158,9 +256,9 @@ def matmul_attention(
 ) -> torch.Tensor:
     """Softmax attention [B, kv_heads, group, D] of one new token per row: queries [B, kv_heads,
     group, D] (each kv head's query heads along the query axis), keys and values [B, kv_heads, L, D],
-    `bias` [B, kv_heads or 1, 1, L] added to the scaled scores (-inf: not attended; every row
-    attends to at least its new token). The same values as `F.scaled_dot_product_attention` with
-    the mask.
+    `bias` [B, kv_heads or 1, 1, L] (or already as the problems' [B * kv_heads, 1, L]: what
+    `decode_step` passes) added to the scaled scores (-inf: not attended; every row attends to at
+    least its new token). The same values as `F.scaled_dot_product_attention` with the mask.
 
     Three ops on the (row, kv head) problems as one batch: `baddbmm` (scores, scale and mask in
     one), softmax, `bmm`; on a cache's views of keys and values the batch axes merge without a
@@ -170,8 +268,10 @@ def matmul_attention(
     rows, kv_heads, group, dim = query.shape
     length = keys.shape[-2]
     problems = rows * kv_heads
+    if bias.dim() == 4:
+        bias = bias.expand(rows, kv_heads, 1, length).reshape(problems, 1, length)
     scores = torch.baddbmm(
-        bias.expand(rows, kv_heads, 1, length).reshape(problems, 1, length),
+        bias,
         query.reshape(problems, group, dim),
         keys.reshape(problems, length, dim).transpose(1, 2),
         alpha=scale,
@@ -181,22 +281,16 @@ def matmul_attention(
 
 
 def _qkv(
-    attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packs: dict[int, _Packed] | None
+    layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packs: dict[int, _Packed] | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotated queries [B, kv_heads, group, D], rotated keys and values [B, kv_heads, 1, D] of one
-    token per row `x` [B, 1, H]; with q/k norms (Qwen3, Gemma 3) over each head before the rotation."""
-    config = attn.config
-    rows, heads, kv_heads, head_dim = (
-        x.shape[0],
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        attn.head_dim,
-    )
-    group = heads // kv_heads
-    fused = getattr(attn, "art_qkv", None)
-    if fused is not None:
-        qkv = _linear(x, fused[0], fused[1], packs).view(rows, heads + 2 * kv_heads, head_dim)
+    token per row `x` [B, 1, H]; with q/k norms (Qwen3, Gemma 3) over each head before the rotation.
+    `sin` is `signed_sin` of the model's sine (`rotate_signed`)."""
+    rows, heads, kv_heads, head_dim = x.shape[0], layer.heads, layer.kv_heads, layer.head_dim
+    if layer.qkv is not None:
+        qkv = _linear(x, *layer.qkv, packs).view(rows, heads + 2 * kv_heads, head_dim)
     else:
+        attn = layer.attn
         qkv = torch.cat(
             [
                 attn.q_proj(x).view(rows, heads, head_dim),
@@ -206,31 +300,30 @@ def _qkv(
             dim=1,
         )
     value = qkv[:, heads + kv_heads :].reshape(rows, kv_heads, 1, head_dim)
-    q_norm = getattr(attn, "q_norm", None)
-    if q_norm is None:  # queries and keys rotated together: one set of elementwise ops instead of two
+    if layer.q_norm is None:  # queries and keys rotated together: one set of elementwise ops instead of two
         rotated = rotate(qkv[:, : heads + kv_heads], cos, sin)
         query, key = rotated[:, :heads], rotated[:, heads:]
     else:
-        query = rotate(_norm(q_norm, qkv[:, :heads]), cos, sin)
-        key = rotate(_norm(attn.k_norm, qkv[:, heads : heads + kv_heads]), cos, sin)
+        query = rotate(_norm(layer.q_norm, qkv[:, :heads]), cos, sin)
+        key = rotate(_norm(layer.k_norm, qkv[:, heads : heads + kv_heads]), cos, sin)
+    group = heads // kv_heads
     return query.reshape(rows, kv_heads, group, head_dim), key.reshape(rows, kv_heads, 1, head_dim), value
 
 
 def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
-    """Llama's/Mistral's/Qwen2's/Qwen3's RMSNorm as torch's one `rms_norm` op (the module runs ~8
-    elementwise ops; the values are the same: both normalise in float32)."""
-    if type(norm).__name__ not in PLAIN_RMS_NORMS:
+    """A layer's norm (`_norm_of`): a plain RMSNorm as torch's one `rms_norm` op (the module runs ~8
+    elementwise ops; the values are the same: both normalise in float32), any other its module."""
+    if type(norm) is not _RMSNorm:
         return norm(x)  # type: ignore[no-any-return]
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    return torch.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
 
 
-def _mlp(mlp: Any, x: torch.Tensor, packs: dict[int, _Packed] | None) -> torch.Tensor:
+def _mlp(layer: _Layer, x: torch.Tensor, packs: dict[int, _Packed] | None) -> torch.Tensor:
     """The layer's MLP, with gate and up in one matmul when `fuse_projections` fused them."""
-    fused = getattr(mlp, "art_gate_up", None)
-    if fused is None:
-        return mlp(x)  # type: ignore[no-any-return]
-    gate, up = _linear(x, fused[0], fused[1], packs).chunk(2, dim=-1)
-    return _apply(mlp.down_proj, mlp.act_fn(gate) * up, packs)
+    if layer.gate_up is None:
+        return layer.mlp(x)  # type: ignore[no-any-return]
+    gate, up = _linear(x, *layer.gate_up, packs).chunk(2, dim=-1)
+    return _apply(layer.down_proj, layer.act(gate) * up, packs)
 
 
 PACKED_WEIGHTS = "art_packed_weights"
@@ -300,4 +393,4 @@ def _linear(
     if entry is None or entry.weight is not weight or entry.version != weight._version:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
         entry = packs[id(weight)] = _Packed(weight, weight._version, packed)
-    return torch.ops.mkldnn._linear_pointwise(x, entry.packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.default(x, entry.packed, bias, "none", [], "")
