@@ -60,6 +60,19 @@ def test_llama_decode_step_equals_the_transformers_forward_in_bf16() -> None:
     _check_steps(model.to(torch.bfloat16), torch.bfloat16)
 
 
+def test_fusing_after_a_decode_step_rebuilds_what_the_step_looked_up() -> None:
+    """`decode_step` keeps each layer's parts on the model; `fuse_projections` after it drops them,
+    so the next step runs the fused matmuls (not the replaced modules' old weights)."""
+    from art_core.engine.torch.decode_step import LAYERS
+
+    model = tiny_llama(layers=2).eval()
+    _check_steps(model, torch.float32)
+    assert all(layer.qkv is None for layer in getattr(model, LAYERS))
+    fuse_projections(model)
+    _check_steps(model, torch.float32)
+    assert all(layer.qkv is not None and layer.gate_up is not None for layer in getattr(model, LAYERS))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_qwen3_decode_step_with_its_qk_norms_equals_the_transformers_forward(fused: bool) -> None:
     model = tiny_qwen3().eval()
