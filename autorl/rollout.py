@@ -7,6 +7,7 @@ writes the user's next message (structured output `{"message": ...}`), for `user
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from art_core import TrainableModel, Trajectory
@@ -69,6 +70,7 @@ async def chat_rollout(
     """
     if user_turns and user is None:
         raise ValueError("user_turns > 0 needs a `user` endpoint (the simulated user)")
+    started = time.time()  # the trajectory's start: its step's `time/rollout_s` counts from the earliest
     client = model.openai_client()
     messages: list[Any] = [
         {"role": "system", "content": system_prompt},
@@ -93,6 +95,7 @@ async def chat_rollout(
     return Trajectory(
         messages_and_choices=messages,
         metadata={"input_id": item.id, "split": item.split, "model_step": -1 if step is None else step},
+        start_time=started,
     )
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from contextvars import Token
@@ -94,6 +95,8 @@ class RolloutScope:
         """Copied into the trajectory's logs on exit (e.g. the MCP door's tool-call lines)."""
         self.records: list[CallRecord] = []
         """What the server recorded, once the scope has exited."""
+        self.started = time.time()
+        """When the rollout began (entering the scope): the trajectory's `start_time`."""
         self._trajectory: Trajectory | None = None
         self._build_on_exit = True
         self._token: Token[ActiveRollout | None] | None = None
@@ -122,6 +125,7 @@ class RolloutScope:
         if self._token is not None:
             raise RuntimeError("a RolloutScope can be entered only once; make a new one per rollout")
         self._token = set_active_rollout(ActiveRollout(self.id, self.server_url, scope=self))
+        self.started = time.time()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
@@ -215,6 +219,7 @@ class RolloutScope:
             "metrics": dict(self.metrics),
             "metadata": {"rollout_id": self.id, **self.metadata},
             "logs": list(self.logs),
+            "start_time": self.started,
         }
         if returned is None:
             if not self.records:
@@ -234,6 +239,7 @@ class RolloutScope:
         returned.metrics = {**fields["metrics"], **returned.metrics}
         returned.metadata = {**fields["metadata"], **returned.metadata}
         returned.logs = [*fields["logs"], *returned.logs]
+        returned.start_time = min(returned.start_time, fields["start_time"])  # often built after the calls
         if returned.turns:
             return returned
         if not self.records:

@@ -46,6 +46,7 @@ def reward(reply: str) -> float:
 
 async def rollout(model: TrainableModel, scenario: str, max_tokens: int) -> Trajectory:
     """One conversation with the model being trained, scored by `reward`."""
+    started = time.time()  # the trajectory's start: its step's `time/rollout_s` counts from the earliest
     client = model.openai_client()
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": scenario}]
     completion = await client.chat.completions.create(
@@ -56,6 +57,7 @@ async def rollout(model: TrainableModel, scenario: str, max_tokens: int) -> Traj
         messages_and_choices=[*messages, choice],
         reward=reward(choice.message.content or ""),
         metadata={"scenario": scenario},
+        start_time=started,
     )
 
 

@@ -165,6 +165,9 @@ class Trajectory(BaseModel):
     metadata: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
     start_time: float = Field(default_factory=time.time)
+    """Wall-clock time (`time.time()`) the rollout started; by default when this object was made. A
+    step's `time/rollout_s` counts from its earliest trajectory's, so a rollout that makes its
+    Trajectory after its model calls should pass the time it started."""
     untrained_choices: SkipJsonSchema[list[str]] = Field(default_factory=list, exclude=True, repr=False)
     """Why each choice added without a token record has none (shown by NoTrainableTokensError);
     not serialised."""

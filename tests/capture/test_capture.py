@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,7 @@ async def test_openai_async_door_captures_multi_turn_exact_tokens(model: Trainab
     client = model.openai_client()
     messages: list[Any] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first"}]
     choices = []
+    before = time.time()
     async with rollout(model) as scope:
         for follow_up in ("second", "third"):
             response = await client.chat.completions.create(
@@ -87,6 +89,8 @@ async def test_openai_async_door_captures_multi_turn_exact_tokens(model: Trainab
         scope.reward = 0.5
     trajectory = scope.trajectory
     assert len(trajectory.turns) == 2 and not trajectory.additional_histories
+    # it started with the scope, before its calls: its step's `time/rollout_s` counts them
+    assert before <= trajectory.start_time == scope.started < time.time()
     for turn, choice in zip(trajectory.turns, choices, strict=True):
         assert_turn_matches(turn, choice)
         assert turn.model == model.name
@@ -404,10 +408,13 @@ async def test_decorator_returns_a_trajectory_with_the_reward(model: TrainableMo
         )
         return 1.0
 
+    answered: list[float] = []
+
     @rollout_scope(model)
     async def builds_its_own(task: str) -> Trajectory:
         messages: list[Any] = [{"role": "user", "content": task}]
         response = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=2)
+        answered.append(time.time())
         call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
         tool_result = [
             {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -425,8 +432,11 @@ async def test_decorator_returns_a_trajectory_with_the_reward(model: TrainableMo
     trajectory = await agent("decorated")
     assert trajectory.reward == 1.0 and trajectory.metrics["calls"] == 1 and len(trajectory.turns) == 1
     assert trajectory.messages[0]["content"] == "decorated"
+    before_own = time.time()
     own = await builds_its_own("own")
     assert own.reward == 0.25 and len(own.turns) == 1
+    # built after its call, it takes the scope's start (before the call) as its own
+    assert before_own <= own.start_time < answered[0]
     assert own.messages[-1] == {
         "role": "tool",
         "tool_call_id": "c1",
