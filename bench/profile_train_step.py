@@ -4,7 +4,8 @@
 
 The same shape as bench/train_step.py (SmolLM2-135M-Instruct, one chat prompt, 8 completions of
 64 tokens, LoRA r=8 on every projection, the grpo loss, one AdamW step) with random completion
-tokens (the time does not depend on which tokens) after one warm-up step. Prints the machine
+tokens (the time does not depend on which tokens) after three warm-up steps (the first two fault
+the heap's pages in: elementwise ops ran ~3x slower in them). Prints the machine
 header, the ops by self CPU time, and the share of the matmul ops (mm, addmm, bmm, baddbmm and
 their oneDNN forms) against everything else. The last line is JSON.
 """
@@ -72,6 +73,12 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="steps before the profiled ones (default 3: until the heap stops growing)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     from torch.profiler import ProfilerActivity, profile
@@ -81,7 +88,8 @@ def main() -> None:
     keep_freed_memory()  # what the `art` CLI does for its own process
     print(machine_header(), flush=True)
     trainer, batch = build(args.threads)
-    trainer.train_step(batch)  # warm-up
+    for _ in range(args.warmup):  # the first steps fault the heap's pages in (~270,000 each)
+        trainer.train_step(batch)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             trainer.train_step(batch)

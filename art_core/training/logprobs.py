@@ -86,11 +86,18 @@ def _frozen_head_chunk(
     Running per row: m, the largest logit so far; s = sum exp(z - m); t = sum exp(z - m) (z - m);
     e = sum exp(z - m) W[z's token]. A block that raises m rescales them by exp(m_old - m).
     Then log Z = m + log s, the entropy is log s - t / s and E_p[W] = e / s.
+
+    With a float32 head and E_p[W] wanted anyway, t is not accumulated (a product and a sum over
+    every block's probabilities): the logits are linear in W, so E_p[z] = h . E_p[W] + E_p[b] and
+    the entropy is log Z - E_p[z]. A bf16 head's E_p[W] rounds the probabilities to bf16, too
+    coarse for that difference, so it keeps t.
     """
     h = hidden.to(weight.dtype)
     rows = h.shape[0]
     picked = torch.empty(rows, dtype=torch.float32, device=h.device)
-    largest = sums = spread = expected = None
+    entropy_from_expected = with_entropy and need_grad and weight.dtype == torch.float32
+    track_spread = with_entropy and not entropy_from_expected
+    largest = sums = spread = expected = bias_sums = None
     for start in range(0, weight.shape[0], vocab_block):
         block = weight[start : start + vocab_block]
         logits = F.linear(h, block, None if bias is None else bias[start : start + vocab_block]).float()
@@ -101,19 +108,24 @@ def _frozen_head_chunk(
         grown = block_max if largest is None else torch.maximum(largest, block_max)
         shifted = logits.sub_(grown[:, None])  # z - m, in place: the logits are not needed again
         # exp(z - m), unnormalised; in place too unless the entropy still needs z - m
-        probs = torch.exp(shifted) if with_entropy else shifted.exp_()
+        probs = torch.exp(shifted) if track_spread else shifted.exp_()
         block_sum = probs.sum(dim=-1)
-        block_spread = torch.linalg.vecdot(probs, shifted) if with_entropy else None
+        block_spread = torch.linalg.vecdot(probs, shifted) if track_spread else None
+        block_bias = None
+        if entropy_from_expected and bias is not None:
+            block_bias = probs @ bias[start : start + block.shape[0]].float()
         if largest is None:
-            sums, spread = block_sum, block_spread
+            sums, spread, bias_sums = block_sum, block_spread, block_bias
             if need_grad:
                 expected = _times(probs, block)
         else:
             assert sums is not None
             rescale = torch.exp(largest - grown)
-            if with_entropy:  # t_new = r (t + (m_old - m) s) + the block's
+            if track_spread:  # t_new = r (t + (m_old - m) s) + the block's
                 assert spread is not None and block_spread is not None
                 spread = rescale * (spread + (largest - grown) * sums) + block_spread
+            if bias_sums is not None and block_bias is not None:
+                bias_sums = bias_sums * rescale + block_bias
             sums = sums * rescale + block_sum
             if need_grad:
                 assert expected is not None
@@ -127,8 +139,17 @@ def _frozen_head_chunk(
     assert largest is not None and sums is not None
     log_sums = sums.log()
     logprobs = picked - largest - log_sums
-    entropy = log_sums - spread / sums if with_entropy and spread is not None else None
-    return logprobs, entropy, None if expected is None else expected / sums[:, None]
+    expected_w = None if expected is None else expected / sums[:, None]
+    entropy = None
+    if entropy_from_expected:  # log Z - E_p[z], E_p[z] = h . E_p[W] + E_p[b]
+        assert expected_w is not None
+        mean_logit = torch.linalg.vecdot(h.float(), expected_w)
+        if bias_sums is not None:
+            mean_logit = mean_logit + bias_sums / sums
+        entropy = largest + log_sums - mean_logit
+    elif with_entropy and spread is not None:
+        entropy = log_sums - spread / sums
+    return logprobs, entropy, expected_w
 
 
 def _times(probs: Tensor, block: Tensor) -> Tensor:

@@ -39,6 +39,7 @@ from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
 
 from art_core.models.llama_ops import layer_types, plain_layer_math
+from art_core.training.lora_projections import lora_projections
 from art_core.training.lora_update import add_lora_update_
 from art_core.training.rms_norm import rms_norm
 from art_core.training.rotary import rotate, signed_sin
@@ -268,13 +269,21 @@ def project(x: Tensor, linears: list[nn.Module]) -> list[Tensor]:
     """Each linear layer applied to [N, in] inputs `x`. When all are plain LoRA layers of the same
     active adapter, their down-projections run as one matmul (`x` is read once, and backward
     computes one weight gradient and one input gradient for all of them), and each output is
-    `base(x) + scaling * down B^T`, added in place (`lora_update.add_lora_update_`)."""
+    `base(x) + scaling * down B^T`, added in place. With plain frozen `nn.Linear` bases in `x`'s
+    dtype the whole group is one autograd node (`lora_projections`); otherwise (e.g. `bf16_base`'s
+    copies) each base layer runs itself and the update is `lora_update.add_lora_update_`."""
     names = {active_plain_adapter(linear) for linear in linears}
     name = names.pop() if len(names) == 1 else None
     if name is None:
         return [linear(x) for linear in linears]
     loras: list[Any] = linears
-    down = F.linear(x, torch.cat([lora.lora_A[name].weight for lora in loras]).to(x.dtype))
+    stacked_a = torch.cat([lora.lora_A[name].weight for lora in loras]).to(x.dtype)
+    bases: list[Any] = [lora.base_layer for lora in loras]
+    if all(_frozen_plain_linear(base, x.dtype) for base in bases):
+        ups = [lora.lora_B[name].weight.to(x.dtype) for lora in loras]
+        weights, biases = [base.weight for base in bases], [base.bias for base in bases]
+        return lora_projections(x, stacked_a, weights, biases, ups, [lora.scaling[name] for lora in loras])
+    down = F.linear(x, stacked_a)
     outputs, start = [], 0
     for lora in loras:
         rank = lora.lora_A[name].weight.shape[0]
@@ -284,3 +293,18 @@ def project(x: Tensor, linears: list[nn.Module]) -> list[Tensor]:
         outputs.append(out)
         start += rank
     return outputs
+
+
+def _frozen_plain_linear(module: nn.Module, dtype: torch.dtype) -> bool:
+    """An `nn.Linear` itself (no subclass, forward not replaced, e.g. by `bf16_base`) whose weight and
+    bias are frozen and in `dtype`: what `lora_projections` computes the base output of."""
+    linear: Any = module
+    bias = linear.bias if type(module) is nn.Linear else None
+    return (
+        type(module) is nn.Linear
+        and "forward" not in vars(module)
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and not linear.weight.requires_grad
+        and linear.weight.dtype == dtype
+        and (bias is None or (not bias.requires_grad and bias.dtype == dtype))
+    )

@@ -83,6 +83,25 @@ def test_frozen_head_entropy_matches_naive_and_keeps_gradients(chunk_size: int, 
     torch.testing.assert_close(grad, want)  # the in-place probabilities still give E_p[W]
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("grad", [True, False])
+def test_frozen_head_entropy_with_and_without_gradients(with_bias: bool, grad: bool) -> None:
+    """With a gradient to make, a float32 head's entropy comes from E_p[W] (log Z - h . E_p[W] -
+    E_p[b]); without one, from the running sum of p (z - m). Both equal the naive entropy."""
+    hidden, head, targets = make(4)
+    head.requires_grad_(False)
+    if not with_bias:
+        head.bias = None
+    with torch.set_grad_enabled(grad):
+        logprobs, entropy = token_logprobs(
+            hidden, head, targets, chunk_size=4, with_entropy=True, vocab_block=3
+        )
+    expected, expected_entropy = naive(hidden, head.weight, head.bias, targets)
+    assert entropy is not None and logprobs.requires_grad == grad
+    torch.testing.assert_close(entropy, expected_entropy.detach())
+    torch.testing.assert_close(logprobs.detach(), expected.detach())
+
+
 def test_frozen_head_blocks_stay_exact_for_large_logits_whose_maximum_is_in_a_late_block() -> None:
     """Logits in the hundreds (exp overflows float32 past ~88) whose largest values lie in the last
     vocabulary blocks: every earlier block's running sums are rescaled, and nothing overflows."""
