@@ -158,10 +158,10 @@ async def run_demo(config: DemoConfig, on_step: StepCallback | None = None) -> D
     )
     from art_core.engine.config import EngineConfig  # torch: imported when the demo runs
 
-    # No packed decode weights, even where float32 would get them (CPUs without native bf16): the
-    # demo's 24-token replies are too short for them to pay, and they cost ~0.5 GB of its 3 GB
-    # (measured on an AVX2 CPU: 262 s and 2.39 GB peak plain, 285 s and 2.92 GB packed).
-    backend = LocalBackend(config.path, engine_config=EngineConfig(pack_weights=False))
+    # Only the head's decode weight packed: every LoRA step re-merges the other weights (and would
+    # repack them), and packing them all costs ~0.5 GB of the demo's 3 GB; the head is a step's
+    # largest matmul and never re-merged (docs/benchmarks.md, "`art demo`").
+    backend = LocalBackend(config.path, engine_config=EngineConfig(pack_weights="head"))
     rewards: list[float] = []
     start_step = 0
     try:

@@ -7,6 +7,7 @@ Re-exported by `art_core.engine.torch.engine`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -74,13 +75,15 @@ class EngineConfig:
     it is (no copy). A dtype: always that one (a plain model in another dtype gets a cast copy). bf16
     logprobs differ from the fp32 trainer's (SmolLM2: ~0.03 nats on average, up to ~0.15), a mismatch
     the trainer's truncated importance sampling corrects; float32 reproduces peft's logprobs to ~1e-5."""
-    pack_weights: bool | None = None
+    pack_weights: bool | Literal["head"] | None = None
     """Decode through oneDNN-packed copies of the serving copy's matmul weights (CPU only; one more
     copy of those weights in memory: ~540 MB for SmolLM2-135M in float32, half that in bf16). None:
     bf16 weights where oneDNN packs them, and float32 weights on a CPU without native bf16 (where
     float32 is what "auto" serves: 1.3-1.5x a decode step on an AVX2-only AMD EPYC, see
     docs/benchmarks.md); float32 is not packed where bf16 is native (not measured there). True:
-    pack whatever oneDNN packs; False: never (`art demo` keeps its memory budget this way)."""
+    pack whatever oneDNN packs; False: never. "head": the output head only (the largest matmul of a
+    decode step, and one a LoRA step never re-merges, so it is packed once: 113 MB more for
+    SmolLM2-135M in float32; what `art demo` does within its memory budget)."""
 
     adapt_threads: bool = False
     """Choose the decode loop's thread count by timing its own steps (`engine.torch.threads`): 1 or
@@ -99,8 +102,14 @@ class EngineConfig:
                 f"serve_dtype must be 'auto' or a floating-point torch dtype such as torch.bfloat16, "
                 f"got {self.serve_dtype!r}"
             )
-        if self.pack_weights is not None and not isinstance(self.pack_weights, bool):
-            raise TypeError(f"pack_weights must be None (auto), True or False, got {self.pack_weights!r}")
+        if (
+            self.pack_weights is not None
+            and not isinstance(self.pack_weights, bool)
+            and self.pack_weights != "head"
+        ):
+            raise TypeError(
+                f"pack_weights must be None (auto), True, False or 'head', got {self.pack_weights!r}"
+            )
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_queued_rows < 1:

@@ -182,6 +182,33 @@ def test_packed_weights_give_the_same_logits_and_follow_weight_writes(dtype: tor
     assert_close_to_model(after, one_step(plain), plain, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_packed_head_alone_gives_the_same_logits(dtype: torch.dtype) -> None:
+    """`pack_weights(model, "head")` packs the output head only (what `art demo` serves with):
+    the layers' matmuls stay plain, the head is packed once, the logits equal the plain model's."""
+    from art_core.engine.torch.decode_step import PACKED_HEAD, PACKED_WEIGHTS, fuse_projections, pack_weights
+
+    plain, packed = (tiny_llama(layers=2).to(dtype).eval() for _ in range(2))  # the same seed
+    fuse_projections(plain)
+    fuse_projections(packed)
+    if not pack_weights(packed, "head"):
+        pytest.skip(f"this torch has no oneDNN packed linear for {dtype} on this CPU")
+    assert not hasattr(packed, PACKED_WEIGHTS)
+    ids, mask, positions = _padded_batch([[5, 9, 33, 7, 81], [44, 2]])
+
+    def one_step(model: torch.nn.Module) -> torch.Tensor:
+        cache = growing_cache(model.config, room=4)
+        with torch.inference_mode():
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+            return decode_step(model, torch.tensor([[3], [4]]), positions[:, -1:] + 1, step_mask, cache)
+
+    logits = one_step(packed)
+    packs = getattr(packed, PACKED_HEAD)
+    assert list(packs) == [id(packed.lm_head.weight)]  # the head, and nothing else
+    assert_close_to_model(logits, one_step(plain), plain, dtype)
+
+
 def test_float32_packing_follows_the_cpu_and_the_setting() -> None:
     """`pack_weights`' auto choice for float32: packed where bf16 is not native (float32 is what
     such a CPU serves), plain where it is; False never packs, in either dtype."""
@@ -230,3 +257,11 @@ def test_matmul_attention_equals_sdpa_on_cache_views_with_masked_columns() -> No
     # a wrong mask is far outside that tolerance: the test can tell
     unmasked = matmul_attention(query, keys, values, torch.zeros_like(bias), dim**-0.5)
     assert (unmasked - theirs).abs().max() > 100 * tolerance
+
+
+def test_engine_config_takes_head_as_a_packing_choice_and_refuses_other_strings() -> None:
+    from art_core.engine.config import EngineConfig
+
+    assert EngineConfig(pack_weights="head").pack_weights == "head"
+    with pytest.raises(TypeError, match="pack_weights must be None \\(auto\\), True, False or 'head'"):
+        EngineConfig(pack_weights="all")  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ rounding (tests/engine/test_decode_step.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -195,6 +195,7 @@ def decode_step(
     body = model.model
     layers = _layers(model)
     packs: dict[int, _Packed] | None = getattr(model, PACKED_WEIGHTS, None)
+    head_packs: dict[int, _Packed] | None = packs if packs is not None else getattr(model, PACKED_HEAD, None)
     hidden = body.embed_tokens(input_ids)  # [B, 1, H] (Gemma 3's module scales by sqrt(H) itself)
     kinds = {layer.kind for layer in layers}
     if type(model).__name__ in _PER_LAYER_TYPE_ROTARY:  # Gemma 3: local and global rope bases
@@ -229,7 +230,7 @@ def decode_step(
             hidden = hidden + out
             hidden = hidden + _mlp(layer, _norm(layer.post_attention_norm, hidden), packs)
     hidden = _norm(_norm_of(body.norm), hidden)
-    return _apply(model.lm_head, hidden[:, -1], packs).float()
+    return _apply(model.lm_head, hidden[:, -1], head_packs).float()
 
 
 def _attention_bias(keep: torch.Tensor, hidden: torch.Tensor, kv_heads: int) -> torch.Tensor | None:
@@ -329,6 +330,10 @@ def _mlp(layer: _Layer, x: torch.Tensor, packs: dict[int, _Packed] | None) -> to
 PACKED_WEIGHTS = "art_packed_weights"
 """Attribute of a model whose decode-step matmuls use oneDNN-packed weights (`pack_weights`)."""
 
+PACKED_HEAD = "art_packed_head"
+"""Attribute of a model whose decode step multiplies by a oneDNN-packed copy of its output head
+only (`pack_weights(model, "head")`)."""
+
 PACK_ROWS_HINT = 32
 """The row count oneDNN lays a packed weight out for, whatever the row count of the step that packs
 it. A packed copy serves every later step of its weight version, whose batches range from 1 row to
@@ -349,7 +354,7 @@ class _Packed:
     """oneDNN's blocked layout of `weight`."""
 
 
-def pack_weights(model: Any, pack: bool | None = None) -> bool:
+def pack_weights(model: Any, pack: bool | Literal["head"] | None = None) -> bool:
     """Let `decode_step` multiply by oneDNN-packed copies of `model`'s weights (on a CPU).
 
     oneDNN reorders a plain weight into its blocked layout inside every matmul; for a decode step's
@@ -361,7 +366,9 @@ def pack_weights(model: Any, pack: bool | None = None) -> bool:
     where oneDNN can (`hardware.onednn_packs_bf16`) and float32 weights where the CPU has no native
     bf16 (`hardware.cpu_has_native_bf16`; SmolLM2, 32 rows x 576 -> 3072 in float32 on an AVX2-only
     CPU: ~860 us packed against ~1560 us plain, the 49152-row head 17 ms against 45 ms); True
-    packs either dtype oneDNN packs; False never.
+    packs either dtype oneDNN packs; False never. "head": only the output head, in either dtype
+    oneDNN packs: the largest matmul of a step, and one that LoRA training never changes (no
+    re-merge repacks it), for one more copy of the head alone (SmolLM2-135M: 113 MB in float32).
     """
     parameter = next(model.parameters())
     if pack is False or parameter.device.type != "cpu" or not torch.backends.mkldnn.is_available():
@@ -369,9 +376,9 @@ def pack_weights(model: Any, pack: bool | None = None) -> bool:
     if parameter.dtype == torch.bfloat16:
         usable = onednn_packs_bf16()
     else:
-        usable = parameter.dtype == torch.float32 and (pack is True or not cpu_has_native_bf16())
+        usable = parameter.dtype == torch.float32 and (pack in (True, "head") or not cpu_has_native_bf16())
     if usable:
-        setattr(model, PACKED_WEIGHTS, {})
+        setattr(model, PACKED_HEAD if pack == "head" else PACKED_WEIGHTS, {})
     return usable
 
 

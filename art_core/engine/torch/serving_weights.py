@@ -27,12 +27,12 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from art_core.engine.torch.decode_step import PACKED_WEIGHTS, fuse_projections, pack_weights
+from art_core.engine.torch.decode_step import PACKED_HEAD, PACKED_WEIGHTS, fuse_projections, pack_weights
 from art_core.models.hardware import cpu_has_native_bf16
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,11 @@ BASE_TARGET = "__base__"
 
 
 def serving_copy(
-    model: nn.Module, target: str | None, dtype: torch.dtype | str, *, pack: bool | None = None
+    model: nn.Module,
+    target: str | None,
+    dtype: torch.dtype | str,
+    *,
+    pack: bool | Literal["head"] | None = None,
 ) -> MergedWeights | None:
     """The serving copy that `EngineConfig.serve_adapter` / `serve_dtype` ask for; None: serve `model` itself.
 
@@ -87,6 +91,7 @@ def serving_copy(
         logger.warning("no merged serving copy (its rows run through peft): %s", exc)
         return None
     packed = " (oneDNN-packed matmul weights)" if hasattr(merged.model, PACKED_WEIGHTS) else ""
+    packed = " (oneDNN-packed head)" if hasattr(merged.model, PACKED_HEAD) else packed
     logger.info("serving adapter %s from a merged %s copy%s", target, dtype, packed)
     return merged
 
@@ -126,7 +131,12 @@ class MergedWeights:
     """
 
     def __init__(
-        self, model: nn.Module, adapter: str | None, dtype: torch.dtype, *, pack: bool | None = None
+        self,
+        model: nn.Module,
+        adapter: str | None,
+        dtype: torch.dtype,
+        *,
+        pack: bool | Literal["head"] | None = None,
     ) -> None:
         if not dtype.is_floating_point:
             raise ValueError(f"the serving dtype must be a floating-point dtype, got {dtype}")
