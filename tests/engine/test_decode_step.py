@@ -150,6 +150,16 @@ def test_fused_serving_copy_follows_the_trainers_weights(tiny_model: LoadedModel
     assert_close_to_model(ours, theirs.logits[:, -1].float(), peft, torch.float32)
 
 
+def _one_step(model: torch.nn.Module) -> torch.Tensor:
+    """The logits of one decode step after prefilling two left-padded rows."""
+    ids, mask, positions = _padded_batch([[5, 9, 33, 7, 81], [44, 2]])
+    cache = growing_cache(model.config, room=4)
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+        return decode_step(model, torch.tensor([[3], [4]]), positions[:, -1:] + 1, step_mask, cache)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_weights_give_the_same_logits_and_follow_weight_writes(dtype: torch.dtype) -> None:
     """Decode steps through oneDNN-packed weights (bf16, and float32 on every CPU) equal the plain
@@ -161,25 +171,17 @@ def test_packed_weights_give_the_same_logits_and_follow_weight_writes(dtype: tor
     fuse_projections(packed)  # (not a deepcopy of `plain`: that would not keep the fused views)
     if not pack_weights(packed, True):
         pytest.skip(f"this torch has no oneDNN packed linear for {dtype} on this CPU")
-    ids, mask, positions = _padded_batch([[5, 9, 33, 7, 81], [44, 2]])
 
-    def one_step(model: torch.nn.Module) -> torch.Tensor:
-        cache = growing_cache(model.config, room=4)
-        with torch.inference_mode():
-            model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-            step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
-            return decode_step(model, torch.tensor([[3], [4]]), positions[:, -1:] + 1, step_mask, cache)
-
-    before = one_step(packed)
-    assert_close_to_model(before, one_step(plain), plain, dtype)
+    before = _one_step(packed)
+    assert_close_to_model(before, _one_step(plain), plain, dtype)
     packs = getattr(packed, PACKED_WEIGHTS)
     assert len(packs) == 4 * 4 + 1  # q/k/v, o, gate/up and down of each layer, and the head
     with torch.no_grad():  # a re-merge writes the fused buffer in place, through a module's view
         for model in (plain, packed):
             model.model.layers[0].self_attn.q_proj.weight.mul_(-3.0)
-    after = one_step(packed)
+    after = _one_step(packed)
     assert (after - before).abs().max() > 0.1  # the new weight is used, not the stale packed copy
-    assert_close_to_model(after, one_step(plain), plain, dtype)
+    assert_close_to_model(after, _one_step(plain), plain, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -194,19 +196,11 @@ def test_a_packed_head_alone_gives_the_same_logits(dtype: torch.dtype) -> None:
     if not pack_weights(packed, "head"):
         pytest.skip(f"this torch has no oneDNN packed linear for {dtype} on this CPU")
     assert not hasattr(packed, PACKED_WEIGHTS)
-    ids, mask, positions = _padded_batch([[5, 9, 33, 7, 81], [44, 2]])
 
-    def one_step(model: torch.nn.Module) -> torch.Tensor:
-        cache = growing_cache(model.config, room=4)
-        with torch.inference_mode():
-            model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-            step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
-            return decode_step(model, torch.tensor([[3], [4]]), positions[:, -1:] + 1, step_mask, cache)
-
-    logits = one_step(packed)
+    logits = _one_step(packed)
     packs = getattr(packed, PACKED_HEAD)
     assert list(packs) == [id(packed.lm_head.weight)]  # the head, and nothing else
-    assert_close_to_model(logits, one_step(plain), plain, dtype)
+    assert_close_to_model(logits, _one_step(plain), plain, dtype)
 
 
 def test_float32_packing_follows_the_cpu_and_the_setting() -> None:
