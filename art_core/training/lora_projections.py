@@ -12,8 +12,8 @@ zero-filled [N, r_total] tensor per slice of the down-projection's gradient.
 base matmul first and the update added in place) and, in backward, accumulates the input's gradient
 in one buffer: `grad_x = g_1 W_1`, then `grad_x += g_i W_i` and `grad_x += grad_down A` as
 matmuls that add into it (BLAS's beta = 1: the sum is made while each product's tile is in cache,
-not as a pass of its own). The LoRA B and down gradients use the layouts `lora_update` measured
-(down^T g transposed, B column-major). SmolLM2-135M's train step on a 2-core AVX2 CPU: see
+not as a pass of its own). The LoRA B and down gradients are `lora_update`'s (the layouts it
+measured: down^T g transposed, B column-major). SmolLM2-135M's train step on a 2-core AVX2 CPU: see
 docs/benchmarks.md, "the LoRA projections as one autograd node".
 
 Only for frozen base weights in the input's dtype (plain `nn.Linear` layers; the bf16 base copies of
@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from art_core.training.lora_update import lora_down_grad, lora_up_grad
 
 
 def _project(
@@ -81,12 +83,9 @@ class _LoraProjections(torch.autograd.Function):
         start = 0
         for grad, up, scaling, need_up in zip(grads, ups, scalings, need_ups, strict=True):
             rank = up.shape[1]
-            if need_up:  # ([r, N] x [N, out])^T rather than [out, N] x [N, r]
-                grad_ups.append(torch.mm(down[:, start : start + rank].t(), grad).t().mul_(scaling))
-            else:
-                grad_ups.append(None)
-            if need_x or need_a:  # [N, out] x [out, r], the narrow operand column-major
-                grad_downs.append(torch.mm(grad, up.t().contiguous().t()).mul_(scaling))
+            grad_ups.append(lora_up_grad(grad, down[:, start : start + rank], scaling) if need_up else None)
+            if need_x or need_a:
+                grad_downs.append(lora_down_grad(grad, up, scaling))
             start += rank
         grad_x = grad_a = None
         if need_x or need_a:

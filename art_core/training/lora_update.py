@@ -40,12 +40,21 @@ class _LoraUpdate(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor | None, Tensor | None, None]:
         down, up = ctx.saved_tensors
         scaling: float = ctx.scaling
-        grad_down = grad_up = None
-        if ctx.needs_input_grad[1]:  # [N, out] x [out, r], the narrow operand column-major
-            grad_down = torch.mm(grad, up.t().contiguous().t()).mul_(scaling)
-        if ctx.needs_input_grad[2]:  # ([r, N] x [N, out])^T rather than [out, N] x [N, r]
-            grad_up = torch.mm(down.t(), grad).t().mul_(scaling)
+        grad_down = lora_down_grad(grad, up, scaling) if ctx.needs_input_grad[1] else None
+        grad_up = lora_up_grad(grad, down, scaling) if ctx.needs_input_grad[2] else None
         return grad, grad_down, grad_up, None
+
+
+def lora_down_grad(grad: Tensor, up: Tensor, scaling: float) -> Tensor:
+    """The gradient of `down` [N, r] in `out += scaling * down @ up^T`, for the output's gradient
+    `grad` [N, out]: [N, out] x [out, r] with the narrow operand column-major."""
+    return torch.mm(grad, up.t().contiguous().t()).mul_(scaling)
+
+
+def lora_up_grad(grad: Tensor, down: Tensor, scaling: float) -> Tensor:
+    """The gradient of the LoRA B weight `up` [out, r] in `out += scaling * down @ up^T`:
+    ([r, N] x [N, out])^T rather than [out, N] x [N, r]."""
+    return torch.mm(down.t(), grad).t().mul_(scaling)
 
 
 def add_lora_update_(out: Tensor, down: Tensor, up: Tensor, scaling: float) -> Tensor:

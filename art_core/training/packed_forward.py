@@ -298,13 +298,10 @@ def project(x: Tensor, linears: list[nn.Module]) -> list[Tensor]:
 def _frozen_plain_linear(module: nn.Module, dtype: torch.dtype) -> bool:
     """An `nn.Linear` itself (no subclass, forward not replaced, e.g. by `bf16_base`) whose weight and
     bias are frozen and in `dtype`: what `lora_projections` computes the base output of."""
+    if type(module) is not nn.Linear or "forward" in vars(module):
+        return False
+    if module._forward_hooks or module._forward_pre_hooks:
+        return False
     linear: Any = module
-    bias = linear.bias if type(module) is nn.Linear else None
-    return (
-        type(module) is nn.Linear
-        and "forward" not in vars(module)
-        and not (module._forward_hooks or module._forward_pre_hooks)
-        and not linear.weight.requires_grad
-        and linear.weight.dtype == dtype
-        and (bias is None or (not bias.requires_grad and bias.dtype == dtype))
-    )
+    parameters = [p for p in (linear.weight, linear.bias) if p is not None]
+    return all(not p.requires_grad and p.dtype == dtype for p in parameters)
