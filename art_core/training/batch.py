@@ -289,12 +289,64 @@ def micro_batches(
     return batches
 
 
+def group_micro_batches(
+    groups: Sequence[Sequence[TrainingExample]], micro_batch_tokens: int, pack_tokens: int
+) -> list[list[TrainingExample]]:
+    """Micro-batches of whole groups, in order: a group joins the current one while its
+    `packed_tokens` stay within `pack_tokens` and its padded tokens (rows x the longest sequence)
+    within `micro_batch_tokens`; a group over `micro_batch_tokens` alone is split by `micro_batches`.
+    Nothing is dropped: every example lands in exactly one micro-batch."""
+    if micro_batch_tokens < 1 or pack_tokens < 1:
+        raise ValueError(f"budgets must be >= 1, got {micro_batch_tokens} and {pack_tokens}")
+    batches: list[list[TrainingExample]] = []
+    current: list[list[TrainingExample]] = []
+    for group in groups:
+        merged = [*current, list(group)]
+        if current and (_padded_tokens(merged) > micro_batch_tokens or packed_tokens(merged) > pack_tokens):
+            batches.append([e for g in current for e in g])
+            merged = [list(group)]
+        if _padded_tokens(merged) > micro_batch_tokens:
+            batches.extend(micro_batches(merged[0], micro_batch_tokens))
+            merged = []
+        current = merged
+    if current:
+        batches.append([e for g in current for e in g])
+    return batches
+
+
+def _padded_tokens(groups: Sequence[Sequence[TrainingExample]]) -> int:
+    examples = [e for g in groups for e in g]
+    return len(examples) * max(len(e.sequence) for e in examples)
+
+
+def packed_tokens(groups: Sequence[Sequence[TrainingExample]]) -> int:
+    """Tokens one pass of the packed forward computes for these groups in one micro-batch: the
+    prefix common to all inputs once, each group's common run past it (padded to the longest)
+    once per group, and every row's own tokens padded to the longest (`packed_forward.TokenTree`)."""
+    inputs = [[e.sequence.token_ids[:-1] for e in g] for g in groups]
+    rows = [seq for g in inputs for seq in g]
+    prefix = _common_length(rows) if len(rows) > 1 else 0
+    runs = [_common_length(g) - prefix if len(g) > 1 else 0 for g in inputs]
+    own = max(len(seq) - prefix - run for g, run in zip(inputs, runs, strict=True) for seq in g)
+    return prefix + len(groups) * max(runs) + len(rows) * own
+
+
+def _common_length(rows: Sequence[Sequence[int]]) -> int:
+    """Leading tokens common to all `rows`, leaving each at least one of its own."""
+    shortest = min(len(row) for row in rows)
+    common = 0
+    while common < shortest - 1 and all(row[common] == rows[0][common] for row in rows):
+        common += 1
+    return common
+
+
 def collate(examples: Sequence[TrainingExample], pad_id: int) -> dict[str, Tensor]:
     """Right-padded tensors for one micro-batch; position t of the inputs predicts target t.
 
     Returns input_ids/attention_mask/targets [B, T] (long; inputs padded with `pad_id`, targets with
     `IGNORE_INDEX`, whose log-prob is 0), mask [B, T] float (1 on trained targets), engine_logprobs [B, T] float32 (NaN where unknown or padding), advantages [B] float32,
-    where T is the longest sequence length minus one.
+    groups [B] long (each example's `group_index`: rows of a group share their prompt), where T is
+    the longest sequence length minus one.
     """
     if not examples:
         raise ValueError("collate needs at least one example")
@@ -309,6 +361,7 @@ def collate(examples: Sequence[TrainingExample], pad_id: int) -> dict[str, Tenso
         "mask": torch.zeros(shape, dtype=torch.float32),
         "engine_logprobs": torch.full(shape, math.nan, dtype=torch.float32),
         "advantages": torch.tensor([example.advantage for example in examples], dtype=torch.float32),
+        "groups": torch.tensor([example.group_index for example in examples], dtype=torch.long),
     }
     for row, example in enumerate(examples):
         seq = example.sequence

@@ -14,8 +14,10 @@ multiply and add on the full output: the same function, fewer passes over memory
 the update is computed in bf16 from the fp32 LoRA weights (as autocast would), rather than casting
 the activations to fp32 and back.
 
-Left out: prefixes shared by only some rows of a micro-batch (the trainer forms micro-batches within
-a group instead), sliding-window and static caches, fused attention kernels.
+The packed forward also runs the tokens that only the rows of one group share (the group's
+prompt past the common prefix) once per group (`packed_forward.TokenTree`), so the trainer packs
+whole groups into one micro-batch there; for the transformers path it forms micro-batches within
+a group. Left out: sliding-window and static caches, fused attention kernels.
 """
 
 from __future__ import annotations
@@ -71,12 +73,20 @@ def shared_prefix_length(input_ids: Tensor, attention_mask: Tensor, minimum: int
 
 
 def hidden_states_at(
-    decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, prefix: int
+    decoder: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    positions: Tensor,
+    prefix: int,
+    groups: Tensor | None = None,
 ) -> tuple[Tensor, int]:
     """[N, H] final hidden states at the true entries of `positions` [B, T] (row-major order), and the
-    prefix length actually shared (`prefix`, or 0 when the decoder's cache does not allow it)."""
+    prefix length actually shared (`prefix`, or 0 when the decoder's cache does not allow it).
+
+    `groups` [B]: row labels whose common tokens past the prefix the packed forward also runs once
+    (`packed_forward.TokenTree`); the other paths share the prefix only."""
     if supports_packed_forward(decoder):
-        return packed_hidden_states(decoder, input_ids, attention_mask, positions, prefix), prefix
+        return packed_hidden_states(decoder, input_ids, attention_mask, positions, prefix, groups), prefix
     rows, cols = positions.nonzero(as_tuple=True)
     cache_arg = cache_argument(decoder) if prefix > 0 else None
     if cache_arg is not None:

@@ -64,25 +64,26 @@ def supports_packed_forward(decoder: nn.Module) -> bool:
 
 
 def packed_hidden_states(
-    decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, prefix: int
+    decoder: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    positions: Tensor,
+    prefix: int,
+    groups: Tensor | None = None,
 ) -> Tensor:
     """[N, H] final hidden states at the true entries of `positions` [B, T] (row-major order).
 
     The first `prefix` tokens must be the same real tokens in every row (0: nothing shared); the
-    mask is 1 on real tokens, which come before padding in each row (right padding).
+    mask is 1 on real tokens, which come before padding in each row (right padding). `groups` [B]
+    (optional) labels rows whose leading tokens past the prefix may be the same (a GRPO group's
+    prompt): each label's longest common run of tokens is computed once too (`TokenTree`).
     """
     body: Any = decoder
-    batch, length = input_ids.shape
-    own = length - prefix
-    device = input_ids.device
-    ids = torch.cat([input_ids[0, :prefix], input_ids[:, prefix:].reshape(-1)])
-    steps = torch.arange(length, device=device)
-    position_ids = torch.cat([steps[:prefix], steps[prefix:].repeat(batch)])
-    hidden = body.embed_tokens(ids)  # [N, H]: prefix tokens, then each row's own tokens (Gemma: scaled)
+    tree = TokenTree.of(input_ids, attention_mask, prefix, groups)
+    ids, position_ids = tree.pack(input_ids)
+    hidden = body.embed_tokens(ids)  # [N, H]: prefix, segments, then each row's own tokens (Gemma: scaled)
     kinds = layer_types(body.config)
-    layouts = {
-        kind: _layout(body, hidden, position_ids, attention_mask, batch, prefix, kind) for kind in set(kinds)
-    }
+    layouts = {kind: _layout(body, hidden, position_ids, tree, kind) for kind in set(kinds)}
     for layer, kind in zip(body.layers, kinds, strict=True):
         out = _attention(layer.self_attn, rms_norm(layer.input_layernorm, hidden), layouts[kind])
         if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: norms after attention and MLP too
@@ -94,20 +95,131 @@ def packed_hidden_states(
             hidden = hidden + out
             hidden = hidden + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, hidden))
     hidden = rms_norm(body.norm, hidden)
-    rows, cols = positions.nonzero(as_tuple=True)
-    index = torch.where(cols < prefix, cols, prefix + rows * own + cols - prefix)
-    return hidden[index]
+    return hidden[tree.index(positions)]
 
 
-def _layout(
-    body: Any,
-    hidden: Tensor,
-    position_ids: Tensor,
-    attention_mask: Tensor,
-    batch: int,
-    prefix: int,
-    kind: str,
-) -> _Layout:
+@dataclass(frozen=True)
+class TokenTree:
+    """Where each token of a micro-batch is computed: a prefix common to every row (P tokens), then
+    segments (G of them, each padded to S tokens) that the rows of one label share past the prefix,
+    then each row's own tokens (padded to R). Packed in that order: N = P + G * S + B * R.
+
+    A row of segment g is [prefix | segment g's real tokens | its own real tokens]; every row keeps
+    at least one token of its own. Without labels there are no segments (G = S = 0).
+    """
+
+    prefix: int
+    """P: leading tokens of every row, computed once."""
+    segment_of_row: Tensor
+    """[B] long: each row's segment (0 where there are none)."""
+    segment_real: Tensor
+    """[G, S] bool: the segments' real tokens (a segment shorter than S is padded after them)."""
+    own_start: Tensor
+    """[B] long: the column (and position) of each row's first own token."""
+    own_real: Tensor
+    """[B, R] bool: each row's own real tokens (right-padded)."""
+
+    @property
+    def rows(self) -> int:
+        return int(self.own_real.shape[0])
+
+    @property
+    def segments(self) -> int:
+        return int(self.segment_real.shape[0])
+
+    @property
+    def segment_width(self) -> int:
+        return int(self.segment_real.shape[1])
+
+    @property
+    def own_width(self) -> int:
+        return int(self.own_real.shape[1])
+
+    @classmethod
+    def of(cls, input_ids: Tensor, attention_mask: Tensor, prefix: int, groups: Tensor | None) -> TokenTree:
+        """The tree of [B, T] right-padded rows sharing `prefix` leading tokens, with the segments of
+        `groups` (row labels; None: none): each label's longest common run past the prefix."""
+        device = input_ids.device
+        lengths = attention_mask.sum(dim=1)
+        segment_lengths, segment_of_row = _segments(input_ids, attention_mask, lengths, prefix, groups)
+        width = int(segment_lengths.max()) if segment_lengths.numel() else 0
+        if width == 0:  # nothing shared past the prefix: no segment level
+            segment_lengths = segment_lengths[:0]
+            segment_of_row = torch.zeros_like(lengths)
+        own_start = prefix + (segment_lengths[segment_of_row] if width else torch.zeros_like(lengths))
+        own_lengths = lengths - own_start
+        own = int(own_lengths.max())
+        return cls(
+            prefix=prefix,
+            segment_of_row=segment_of_row,
+            segment_real=torch.arange(width, device=device)[None] < segment_lengths[:, None],
+            own_start=own_start,
+            own_real=torch.arange(own, device=device)[None] < own_lengths[:, None],
+        )
+
+    def own_columns(self) -> Tensor:
+        """[B, R] the column of each row's own token (padding: past the row's end)."""
+        return self.own_start[:, None] + torch.arange(self.own_width, device=self.own_start.device)[None]
+
+    def segment_columns(self) -> Tensor:
+        """[S] the columns of a segment's tokens."""
+        return self.prefix + torch.arange(self.segment_width, device=self.own_start.device)
+
+    def pack(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The packed token ids [N] and their positions [N] (padding: the last column's id)."""
+        last = input_ids.shape[1] - 1
+        parts = [input_ids[0, : self.prefix]]
+        steps = [torch.arange(self.prefix, device=input_ids.device)]
+        if self.segments:
+            first_row = _first_rows(self.segment_of_row, self.segments)
+            columns = self.segment_columns()
+            parts.append(input_ids[first_row][:, columns.clamp(max=last)].reshape(-1))
+            steps.append(columns.repeat(self.segments))
+        columns = self.own_columns()
+        parts.append(input_ids.gather(1, columns.clamp(max=last)).reshape(-1))
+        steps.append(columns.reshape(-1))
+        return torch.cat(parts), torch.cat(steps)
+
+    def index(self, positions: Tensor) -> Tensor:
+        """[n] packed index of each true entry of `positions` [B, T] (row-major)."""
+        rows, cols = positions.nonzero(as_tuple=True)
+        start = self.own_start[rows]
+        own = self.prefix + self.segments * self.segment_width + rows * self.own_width + cols - start
+        segment = self.prefix + self.segment_of_row[rows] * self.segment_width + cols - self.prefix
+        return torch.where(cols < self.prefix, cols, torch.where(cols < start, segment, own))
+
+
+def _segments(
+    input_ids: Tensor, attention_mask: Tensor, lengths: Tensor, prefix: int, groups: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Each label's common run past `prefix` ([G] long, leaving each row one own token; 0 for a
+    label of one row) and each row's label index ([B] long)."""
+    device = input_ids.device
+    if groups is None:
+        return torch.zeros(0, dtype=torch.long, device=device), torch.zeros_like(lengths)
+    labels, segment_of_row = torch.unique(groups, return_inverse=True)
+    same = (input_ids == input_ids[_first_rows(segment_of_row, len(labels))][segment_of_row]) & (
+        attention_mask > 0
+    )
+    lengths_of: list[int] = []
+    for label in range(len(labels)):
+        members = segment_of_row == label
+        if int(members.sum()) < 2:
+            lengths_of.append(0)
+            continue
+        common = int(same[members, prefix:].all(dim=0).long().cumprod(dim=0).sum())
+        lengths_of.append(max(0, min(common, int(lengths[members].min()) - 1 - prefix)))
+    return torch.tensor(lengths_of, dtype=torch.long, device=device), segment_of_row
+
+
+def _first_rows(segment_of_row: Tensor, segments: int) -> Tensor:
+    """[G] the first row of each segment."""
+    rows = torch.arange(len(segment_of_row), device=segment_of_row.device)
+    first = torch.full((segments,), len(segment_of_row), dtype=torch.long, device=segment_of_row.device)
+    return first.scatter_reduce(0, segment_of_row, rows, reduce="amin")
+
+
+def _layout(body: Any, hidden: Tensor, position_ids: Tensor, tree: TokenTree, kind: str) -> _Layout:
     """The rotary embedding and attention biases of one layer type (Gemma 3: its rope base, its window)."""
     if type(body).__name__ == _GEMMA3:
         cos, sin = body.rotary_emb(hidden[None], position_ids[None], kind)
@@ -116,10 +228,9 @@ def _layout(
     attn = body.layers[0].self_attn
     window = int(body.config.sliding_window) if kind == "sliding_attention" else None
     return _Layout(
-        batch=batch,
-        prefix=prefix,
+        tree=tree,
         rotary=(cos[0, :, None, :], signed_sin(sin[0, :, None, :])),  # [N, 1, head_dim]
-        biases=_biases(attention_mask[:, prefix:].bool(), prefix, attn, hidden.dtype, window),
+        biases=_biases(tree, attn, hidden.dtype, window),
     )
 
 
@@ -127,26 +238,26 @@ def _layout(
 class _Layout:
     """What every layer's attention needs to know about the packed tokens."""
 
-    batch: int
-    """Rows (B)."""
-    prefix: int
-    """Shared prefix tokens (P), packed first; then each row's R own tokens."""
+    tree: TokenTree
+    """Which packed tokens are the prefix, the segments and each row's own."""
     rotary: tuple[Tensor, Tensor]
     """cos and sin [N, 1, head_dim] at each packed token's position, the sine's first half negated
     (`rotary.signed_sin`)."""
-    biases: tuple[Tensor | None, Tensor]
+    biases: tuple[Tensor | None, Tensor | None, Tensor]
     """Additive attention biases (0 or the dtype's minimum) of the prefix [kv_heads, group * P, P]
-    (None without a prefix) and of the rows [B * kv_heads, group * R, P + R]."""
+    (None without a prefix), of the segments [G * kv_heads, group * S, P + S] (None without
+    segments) and of the rows [B * kv_heads, group * R, P + S + R]."""
 
 
 def _biases(
-    own_real: Tensor, prefix: int, attn: Any, dtype: torch.dtype, window: int | None = None
-) -> tuple[Tensor | None, Tensor]:
-    """The prefix attends causally to itself; each row to the whole prefix, then causally to its own
-    real tokens; with a sliding `window`, only to keys less than `window` positions back. Laid out
-    for `grouped_attention`'s stacked queries, built once for all layers of a kind."""
-    rows, own = own_real.shape
-    device = own_real.device
+    tree: TokenTree, attn: Any, dtype: torch.dtype, window: int | None = None
+) -> tuple[Tensor | None, Tensor | None, Tensor]:
+    """The prefix attends causally to itself; a segment to the whole prefix, then causally to its
+    real tokens; each row to the prefix, its segment's real tokens, then causally to its own real
+    tokens; with a sliding `window`, only to keys less than `window` positions back. Laid out for
+    `grouped_attention`'s stacked queries, built once for all layers of a kind."""
+    prefix = tree.prefix
+    device = tree.own_start.device
     kv_heads, group = _heads(attn)
     blocked = torch.finfo(dtype).min
 
@@ -156,19 +267,34 @@ def _biases(
         stacked = values[:, None, None].expand(b, kv_heads, group, queries, keys)
         return stacked.reshape(b * kv_heads, group * queries, keys)
 
-    def near(queries: Tensor, keys: Tensor) -> Tensor:  # [Tq, Tk]: within the window (all without one)
-        gap = queries[:, None] - keys[None, :]
+    def near(queries: Tensor, keys: Tensor) -> Tensor:  # [..., Tq, Tk]: within the window (all without one)
+        gap = queries[..., :, None] - keys[..., None, :]
         return gap < window if window else torch.ones(gap.shape, dtype=torch.bool, device=device)
 
-    own_pos = torch.arange(prefix, prefix + own, device=device)
     prefix_pos = torch.arange(prefix, device=device)
-    causal = torch.ones(own, own, dtype=torch.bool, device=device).tril() & near(own_pos, own_pos)
-    shared = near(own_pos, prefix_pos)[None].expand(rows, own, prefix)
-    row_bias = bias(torch.cat([shared, causal[None] & own_real[:, None, :]], dim=-1))
+    own_pos = tree.own_columns()  # [B, R]
+    own = tree.own_width
+    causal = torch.ones(own, own, dtype=torch.bool, device=device).tril()
+    parts = [near(own_pos, prefix_pos)]  # [B, R, P]
+    segment_bias = None
+    if tree.segments:
+        segment_pos = tree.segment_columns()  # [S]
+        real = tree.segment_real  # [G, S]
+        width = tree.segment_width
+        seen = torch.ones(width, width, dtype=torch.bool, device=device).tril() & near(
+            segment_pos, segment_pos
+        )
+        # A padding query sees itself too, so that no query of a segment is left with no key.
+        mine = (seen[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)[None]
+        to_prefix = near(segment_pos, prefix_pos)[None].expand(tree.segments, width, prefix)
+        segment_bias = bias(torch.cat([to_prefix, mine], dim=-1))
+        parts.append(near(own_pos, segment_pos) & real[tree.segment_of_row][:, None, :])  # [B, R, S]
+    parts.append(causal[None] & near(own_pos, own_pos) & tree.own_real[:, None, :])
+    row_bias = bias(torch.cat(parts, dim=-1))
     if not prefix:
-        return None, row_bias
+        return None, segment_bias, row_bias
     prefix_causal = torch.ones(prefix, prefix, dtype=torch.bool, device=device).tril()
-    return bias((prefix_causal & near(prefix_pos, prefix_pos))[None]), row_bias
+    return bias((prefix_causal & near(prefix_pos, prefix_pos))[None]), segment_bias, row_bias
 
 
 def _heads(attn: Any) -> tuple[int, int]:
@@ -181,20 +307,27 @@ def _heads(attn: Any) -> tuple[int, int]:
 def _attention(attn: Any, x: Tensor, layout: _Layout) -> Tensor:
     """The attention block's output [N, hidden] for packed inputs [N, hidden]."""
     tokens, head_dim = x.shape[0], attn.head_dim
-    batch, prefix = layout.batch, layout.prefix
+    tree = layout.tree
+    batch, prefix, segments, width, own = (
+        tree.rows,
+        tree.prefix,
+        tree.segments,
+        tree.segment_width,
+        tree.own_width,
+    )
     query, key, value = (
         out.view(tokens, -1, head_dim) for out in project(x, [attn.q_proj, attn.k_proj, attn.v_proj])
     )
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head before the rotation
         query, key = attn.q_norm(query), attn.k_norm(key)
     query, key = rotate(query, *layout.rotary), rotate(key, *layout.rotary)
-    own = (tokens - prefix) // batch
-    prefix_bias, row_bias = layout.biases
+    prefix_bias, segment_bias, row_bias = layout.biases
+    start = prefix + segments * width
 
-    def rows(t: Tensor) -> Tensor:  # the rows' own tokens, [B, heads, R, head_dim]
-        return t[prefix:].view(batch, own, -1, head_dim).transpose(1, 2)
+    def blocks(t: Tensor, first: int, count: int, length: int) -> Tensor:  # [count, heads, length, head_dim]
+        return t[first : first + count * length].view(count, length, -1, head_dim).transpose(1, 2)
 
-    row_keys, row_values = rows(key), rows(value)
+    row_keys, row_values = [blocks(key, start, batch, own)], [blocks(value, start, batch, own)]
     outputs = []
     if prefix_bias is not None:
         prefix_keys = key[:prefix].transpose(0, 1)[None]  # [1, kv_heads, P, head_dim]
@@ -203,9 +336,26 @@ def _attention(attn: Any, x: Tensor, layout: _Layout) -> Tensor:
             query[:prefix].transpose(0, 1)[None], prefix_keys, prefix_values, prefix_bias, attn.scaling
         )
         outputs.append(out[0].transpose(0, 1).reshape(prefix, -1))
-        row_keys = torch.cat([prefix_keys.expand(batch, -1, -1, -1), row_keys], dim=2)
-        row_values = torch.cat([prefix_values.expand(batch, -1, -1, -1), row_values], dim=2)
-    out = grouped_attention(rows(query), row_keys, row_values, row_bias, attn.scaling)
+        row_keys.insert(0, prefix_keys.expand(batch, -1, -1, -1))
+        row_values.insert(0, prefix_values.expand(batch, -1, -1, -1))
+    if segment_bias is not None:
+        segment_keys, segment_values = (
+            blocks(key, prefix, segments, width),
+            blocks(value, prefix, segments, width),
+        )
+        keys, values = segment_keys, segment_values
+        if prefix_bias is not None:
+            keys = torch.cat([row_keys[0][:1].expand(segments, -1, -1, -1), segment_keys], dim=2)
+            values = torch.cat([row_values[0][:1].expand(segments, -1, -1, -1), segment_values], dim=2)
+        out = grouped_attention(
+            blocks(query, prefix, segments, width), keys, values, segment_bias, attn.scaling
+        )
+        outputs.append(out.transpose(1, 2).reshape(segments * width, -1))
+        row_keys.insert(-1, segment_keys.index_select(0, tree.segment_of_row))
+        row_values.insert(-1, segment_values.index_select(0, tree.segment_of_row))
+    keys = torch.cat(row_keys, dim=2) if len(row_keys) > 1 else row_keys[0]
+    values = torch.cat(row_values, dim=2) if len(row_values) > 1 else row_values[0]
+    out = grouped_attention(blocks(query, start, batch, own), keys, values, row_bias, attn.scaling)
     outputs.append(out.transpose(1, 2).reshape(batch * own, -1))
     return attn.o_proj(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
 

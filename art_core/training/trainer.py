@@ -9,7 +9,9 @@ chunks (`token_logprobs`), so full-vocabulary logits for a whole micro-batch nev
 and only at the positions that are needed (trained tokens when training). The body's pass
 (`training_forward`) runs a prefix common to a micro-batch's sequences (a group's prompt) once and
 adds each LoRA update with one addmm; the update equals the plain computation up to float rounding.
-Training micro-batches are therefore formed within each group. The body is never
+Where the packed forward runs the model, a micro-batch holds whole groups (each group's prompt
+runs once, and larger matmuls run closer to the CPU's rate); elsewhere micro-batches are formed
+within each group. The body is never
 gradient-checkpointed. The KL reference is the same model with the adapter disabled: no second
 copy of the weights.
 
@@ -36,7 +38,14 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from art_core.models.allocator import HeapTrimmer
-from art_core.training.batch import BatchTotals, PreparedBatch, TrainingExample, collate, micro_batches
+from art_core.training.batch import (
+    BatchTotals,
+    PreparedBatch,
+    TrainingExample,
+    collate,
+    group_micro_batches,
+    micro_batches,
+)
 from art_core.training.bf16_base import Bf16BaseWeights
 from art_core.training.config import TrainConfig
 from art_core.training.distributed import (
@@ -49,6 +58,7 @@ from art_core.training.distributed import (
 from art_core.training.forward import has_dropout, hidden_states_at, shared_prefix_length, training_kernels
 from art_core.training.logprobs import token_logprobs
 from art_core.training.loss import LossBatch, compute_loss
+from art_core.training.packed_forward import supports_packed_forward
 from art_core.training.precision import matmul_precision
 
 logger = logging.getLogger(__name__)
@@ -200,9 +210,9 @@ class Trainer:
         """
         ids, attention = batch["input_ids"], batch["attention_mask"]
         with training_kernels(self.model, self.adapter_name):
-            hidden, prefix = hidden_states_at(
-                self._decoder, ids, attention, positions, self.shared_prefix_length(ids, attention)
-            )
+            prefix = self.shared_prefix_length(ids, attention)
+            groups = batch.get("groups") if self._share_prefixes else None
+            hidden, prefix = hidden_states_at(self._decoder, ids, attention, positions, prefix, groups)
         picked, per_token = token_logprobs(
             hidden[None],
             self._head,
@@ -344,12 +354,17 @@ class Trainer:
         return parts
 
     def _micro_batches(self, examples: list[TrainingExample]) -> list[list[TrainingExample]]:
-        """`micro_batches` within each group (whose sequences share their prompt), when prefixes can be shared."""
+        """Micro-batches when prefixes can be shared: whole groups together (`group_micro_batches`)
+        where the packed forward runs each group's prompt once, else `micro_batches` within each group."""
         if not self._share_prefixes:
             return micro_batches(examples, self.config.micro_batch_tokens)
         groups: dict[int, list[TrainingExample]] = {}
         for example in examples:
             groups.setdefault(example.group_index, []).append(example)
+        if supports_packed_forward(self._decoder):
+            return group_micro_batches(
+                list(groups.values()), self.config.micro_batch_tokens, self.config.group_pack_tokens
+            )
         return [
             chunk
             for group in groups.values()

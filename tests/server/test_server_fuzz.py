@@ -439,6 +439,7 @@ CONFIG = st.fixed_dictionaries(
     optional={
         "learning_rate": FLOATS,
         "micro_batch_tokens": INTS,
+        "group_pack_tokens": INTS,
         "logprob_chunk_size": INTS,
         "max_grad_norm": FLOATS,
         "scale_rewards": JSON,

@@ -9,7 +9,15 @@ import torch
 
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.rollouts.records import History, Trajectory, Turn
-from art_core.training.batch import BatchTotals, TrainingExample, collate, micro_batches, prepare_batch
+from art_core.training.batch import (
+    BatchTotals,
+    TrainingExample,
+    collate,
+    group_micro_batches,
+    micro_batches,
+    packed_tokens,
+    prepare_batch,
+)
 from art_core.training.logprobs import IGNORE_INDEX
 from art_core.training.sequences import NoTrainableTokensError, TokenSequence
 
@@ -157,6 +165,37 @@ def test_micro_batches_pack_by_padded_length() -> None:
     assert sum(len(b) for b in micro_batches(examples, 1)) == len(examples)
 
 
+def test_group_micro_batches_keep_groups_whole_within_the_budgets() -> None:
+    groups = [[example(n) for n in lengths] for lengths in ((4, 3), (5, 5), (2,), (9, 9, 9))]
+
+    def lengths(batches: list[list[TrainingExample]]) -> list[list[int]]:
+        return [[len(e.sequence) for e in b] for b in batches]
+
+    assert lengths(group_micro_batches(groups, 100, 100)) == [[4, 3, 5, 5, 2, 9, 9, 9]]
+    # 4 x 5 = 20 padded tokens fit, 5 x 5 = 25 do not; a group over the budget alone is split
+    assert lengths(group_micro_batches(groups, 20, 100)) == [[4, 3, 5, 5], [2], [9, 9], [9]]
+    # every row here starts with token 1: one shared token, then 4 rows x 3 own tokens = 13
+    assert packed_tokens(groups[:2]) == 1 + 4 * 3
+    assert lengths(group_micro_batches(groups, 100, 13)) == [[4, 3, 5, 5], [2], [9, 9, 9]]
+    assert lengths(group_micro_batches(groups, 100, 12)) == [[4, 3], [5, 5, 2], [9, 9, 9]]
+    for budget in (1, 7, 30):
+        assert sum(len(b) for b in group_micro_batches(groups, budget, budget)) == 8
+
+
+def test_packed_tokens_count_each_group_prompt_once() -> None:
+    def row(prompt: tuple[int, ...], completion: int) -> TrainingExample:
+        ids = prompt + tuple(range(100, 100 + completion))
+        return TrainingExample(TokenSequence(ids, (0,) * len(ids), (math.nan,) * len(ids)), 1.0, 0, 0)
+
+    system = (1, 2, 3, 4)
+    one = [row(system + (5, 6, 7), 2), row(system + (5, 6, 7), 4)]  # inputs of 8 and 10 tokens
+    two = [row(system + (8, 9), 4), row(system + (8, 9), 4), row(system + (8, 9), 2)]  # 9, 9, 7
+    # 4 shared by all; group one's rows share 3 more (the shorter row keeps token 100 as its own),
+    # group two's 2 (its shortest row keeps one); own tokens at most 10 - 7 = 3; 5 rows.
+    assert packed_tokens([one, two]) == 4 + 2 * 3 + 5 * 3
+    assert packed_tokens([two]) == 6 + 1 * 0 + 3 * 3  # one group: its whole common run is the prefix
+
+
 def test_collate_aligns_targets_mask_and_logprobs() -> None:
     out = collate([example(4, 1.0), example(2, -1.0)], pad_id=0)
     assert out["input_ids"].tolist() == [[1, 2, 3], [1, 0, 0]]
@@ -166,3 +205,4 @@ def test_collate_aligns_targets_mask_and_logprobs() -> None:
     assert torch.allclose(out["engine_logprobs"][0], torch.tensor([-0.1, -0.2, -0.3]))
     assert torch.isnan(out["engine_logprobs"][1, 1:]).all()
     assert out["advantages"].tolist() == [1.0, -1.0]
+    assert out["groups"].tolist() == [0, 0]

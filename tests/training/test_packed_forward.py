@@ -13,6 +13,7 @@ from art_core.training.config import LoRAConfig
 from art_core.training.forward import fused_lora
 from art_core.training.lora import attach_lora
 from art_core.training.packed_forward import (
+    TokenTree,
     grouped_attention,
     packed_hidden_states,
     project,
@@ -141,3 +142,77 @@ def test_unsupported_decoders_are_refused(tiny_model: LoadedModel) -> None:
     kinds = ["full_attention"] * (layers - 1) + ["sliding_attention"]
     sliding = Qwen2Config(**{**tiny_model.model.config.to_dict(), "sliding_window": 4, "layer_types": kinds})
     assert not supports_packed_forward(Qwen2Model(sliding))
+
+
+def grouped_batch() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """7 rows in 4 groups, right-padded to 13 tokens: a 4-token prefix common to all, then each
+    group's own run (3 and 6 tokens, one group whose rows differ at once, one single row), rows of
+    unequal lengths, one row whose group run leaves it a single token of its own."""
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(5, 250, (7, 13), generator=generator)
+    groups = torch.tensor([2, 2, 7, 7, 7, 3, 9])
+    ids[:, :4] = ids[0, :4]
+    ids[1, :7] = ids[0, :7]  # group 2: 3 more tokens
+    ids[2:5, :10] = ids[2, :10]  # group 7: 6 more tokens (row 4 ends at 11: one own token)
+    mask = torch.ones_like(ids)
+    for row, length in enumerate([13, 9, 12, 13, 11, 8, 10]):
+        mask[row, length:] = 0
+    ids[mask == 0] = 0
+    return ids, mask, mask > 0, groups
+
+
+@pytest.mark.parametrize("prefix", [0, 4])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_packed_forward_with_group_segments_equals_transformers(
+    tiny_model: LoadedModel, family: str, prefix: int
+) -> None:
+    base = tiny_model.model if family == "qwen2" else tiny_gemma3(layers=4, window=4)
+    model = with_lora(base)
+    ids, mask, positions, groups = grouped_batch()
+    decoder = model.get_base_model().get_decoder()  # type: ignore[operator]
+    tree = TokenTree.of(ids, mask, prefix, groups)
+    assert tree.segments == 4 and tree.segment_width == 10 - prefix
+    assert tree.own_real.sum(dim=1).tolist() == [
+        13 - 7,
+        9 - 7,
+        12 - 10,
+        13 - 10,
+        11 - 10,
+        8 - prefix,
+        10 - prefix,
+    ]
+
+    def run(packed: bool) -> tuple[Tensor, list[Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with fused_lora(model, "default"):
+            if packed:
+                hidden = packed_hidden_states(decoder, ids, mask, positions, prefix, groups)
+            else:
+                hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[
+                    positions
+                ]
+        weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(6))
+        (hidden * weights).sum().backward()
+        return hidden.detach(), [p.grad.clone() for n, p in model.named_parameters() if "lora_" in n]
+
+    ours, our_grads = run(True)
+    theirs, their_grads = run(False)
+    assert ours.shape == theirs.shape == (int(mask.sum()), model.config.hidden_size)
+    assert_close_to_model(ours, theirs, model, torch.float32)
+    for a, b in zip(our_grads, their_grads, strict=True):
+        assert_close_to_model(a, b, model, torch.float32, backward=True)
+
+
+def test_token_tree_computes_each_shared_token_once() -> None:
+    ids, mask, positions, groups = grouped_batch()
+    tree = TokenTree.of(ids, mask, 4, groups)
+    packed, steps = tree.pack(ids)
+    assert tree.segment_real.sum(dim=1).tolist() == [3, 0, 6, 0]  # labels in sorted order: 2, 3, 7, 9
+    assert len(packed) == 4 + 4 * 6 + 7 * 6
+    index = tree.index(positions)
+    # the rows read the prefix and their group's run from one copy: 4 + 3 + 6 distinct shared tokens
+    assert index.unique().numel() == 4 + 3 + 6 + int(tree.own_real.sum()) < index.numel()
+    rows, cols = positions.nonzero(as_tuple=True)
+    torch.testing.assert_close(packed[index], ids[rows, cols], rtol=0, atol=0)
+    torch.testing.assert_close(steps[index], cols, rtol=0, atol=0)
+    assert len(TokenTree.of(ids, mask, 4, None).pack(ids)[0]) == 4 + 7 * 9  # no labels: no segments

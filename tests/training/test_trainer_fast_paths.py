@@ -167,17 +167,49 @@ def test_shared_prefix_length_rules(tiny_model: LoadedModel) -> None:
     assert plain.shared_prefix_length(ids, full) == 0
 
 
-def test_train_step_forms_micro_batches_within_groups(tiny_model: LoadedModel) -> None:
-    trainer = make_trainer(tiny_model, True, TrainConfig(learning_rate=1e-3))
-    one, two = one_group_batch(seed=4), one_group_batch(seed=5)
-    batch = PreparedBatch(
-        examples=one.examples
-        + [type(e)(e.sequence, e.advantage, 1, e.trajectory_index) for e in two.examples],
-        metrics={},
-    )
-    metrics = trainer.train_step(batch)
-    assert metrics["trained"] == 1.0 and metrics["micro_batches"] == 2.0
-    assert metrics["shared_prefix_tokens"] == 9
+def two_groups_batch() -> PreparedBatch:
+    """Two groups of 4 whose prompts share 6 leading tokens (a system prompt) and then differ."""
+    generator = torch.Generator().manual_seed(7)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(10, 2000, (n,), generator=generator).tolist()
+
+    system = ids(6)
+    groups = []
+    for g in range(2):
+        prompt = system + ids(5)
+        trajectories = []
+        for i in range(4):
+            completion = ids(2 + 3 * i + g)
+            turn = Turn(prompt_ids=prompt, completion_ids=completion, logprobs=[-1.0] * len(completion))
+            trajectories.append(Trajectory(turns=[turn], reward=float((i + g) % 2)))
+        groups.append(TrajectoryGroup(trajectories))
+    return prepare_batch(groups, scale_rewards=True, max_context=2048)
+
+
+def test_train_step_packs_whole_groups_into_one_micro_batch(tiny_model: LoadedModel) -> None:
+    batch = two_groups_batch()
+    metrics = make_trainer(tiny_model, True, TrainConfig(learning_rate=1e-3)).train_step(batch)
+    assert metrics["trained"] == 1.0 and metrics["micro_batches"] == 1.0
+    assert metrics["shared_prefix_tokens"] == 6  # the system prompt; each group's prompt once more
+    tight = make_trainer(tiny_model, True, TrainConfig(learning_rate=1e-3, micro_batch_tokens=100))
+    assert tight.train_step(batch)["micro_batches"] == 2.0  # a budget of one group: one group each
+
+
+def test_whole_groups_in_one_micro_batch_give_the_per_row_gradients(tiny_model: LoadedModel) -> None:
+    examples = two_groups_batch().examples
+    totals = BatchTotals.of(examples)
+    results = []
+    for share in (True, False):
+        trainer = make_trainer(tiny_model, share, TrainConfig())
+        metrics = trainer.forward_backward(examples, totals=totals)
+        results.append((metrics, [p.grad.clone() for p in trainer.params]))  # type: ignore[union-attr]
+    (shared, shared_grads), (plain, plain_grads) = results
+    assert shared["shared_prefix_tokens"] == 6 and plain["shared_prefix_tokens"] == 0
+    bound = model_tolerance(tiny_model.model, torch.float32, scale=abs(plain["loss"]), backward=False)
+    assert shared["loss"] == pytest.approx(plain["loss"], abs=bound)
+    for a, b in zip(shared_grads, plain_grads, strict=True):
+        assert_close_to_model(a, b, tiny_model.model, torch.float32, backward=True)
 
 
 def test_fused_lora_matches_peft_and_restores_the_layers(tiny_model: LoadedModel) -> None:
