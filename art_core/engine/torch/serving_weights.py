@@ -370,9 +370,11 @@ def _stamp(entry: _Entry, adapter: str | None) -> Stamp:
 
 def _write(entry: _Entry, adapter: str | None) -> None:
     """`dest = cast(source + delta)` for a merged weight, else `dest = cast(source)`. A float32 copy
-    of a plain LoRA `Linear` gets `source`, then `scaling * B @ A` added in place (`addmm_`): the
-    same float32 sum without the two [out, in] temporaries of `get_delta_weight` and the addition
-    (SmolLM2-135M's 210 LoRA layers: ~85 against ~125 ms a re-merge, 2 threads, AVX2)."""
+    of a plain LoRA `Linear` gets `source`, then `B @ A` added in place with `scaling` as the
+    addition's alpha: one [out, in] temporary instead of `get_delta_weight`'s two and the sum's.
+    Not `addmm_` into `dest`: BLAS may round `alpha * (B @ A) + dest` differently at another thread
+    count, and the copy is built in one thread (a restart) and re-merged in another (the engine's
+    worker), which must give the same bits."""
     lora, dest = entry.lora, entry.dest
     if (
         lora is not None
@@ -380,9 +382,8 @@ def _write(entry: _Entry, adapter: str | None) -> None:
         and dest.dtype == torch.float32
         and _plain_linear(lora, adapter)
     ):
-        dest.copy_(entry.source)
         down, up = lora.lora_A[adapter].weight, lora.lora_B[adapter].weight
-        dest.addmm_(up.float(), down.float(), alpha=lora.scaling[adapter])
+        dest.copy_(entry.source).add_(torch.mm(up.float(), down.float()), alpha=lora.scaling[adapter])
         return
     dest.copy_(_merged_value(entry, adapter))
 
