@@ -322,7 +322,9 @@ def _padded_tokens(groups: Sequence[Sequence[TrainingExample]]) -> int:
 def packed_tokens(groups: Sequence[Sequence[TrainingExample]]) -> int:
     """Tokens one pass of the packed forward computes for these groups in one micro-batch: the
     prefix common to all inputs once, each group's common run past it (padded to the longest)
-    once per group, and every row's own tokens padded to the longest (`packed_forward.TokenTree`)."""
+    once per group, and every row's own tokens padded to the longest (`packed_forward.TokenTree`).
+    A budget's estimate: a common prefix under the forward's minimum (`MIN_SHARED_PREFIX`) is counted
+    once here though the pass runs it per row."""
     inputs = [[e.sequence.token_ids[:-1] for e in g] for g in groups]
     rows = [seq for g in inputs for seq in g]
     prefix = _common_length(rows) if len(rows) > 1 else 0
