@@ -26,7 +26,6 @@ import contextlib
 import json
 import logging
 import math
-import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,10 +33,11 @@ from typing import Any
 import torch
 from peft import PeftModel
 from peft.utils import set_peft_model_state_dict
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from art_core.models.allocator import HeapTrimmer
+from art_core.training.adapter_files import ADAPTER_WEIGHTS, AdapterFiles, write_safetensors
 from art_core.training.batch import (
     BatchTotals,
     PreparedBatch,
@@ -63,7 +63,6 @@ from art_core.training.precision import matmul_precision
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 STATE_FILE = "trainer_state.json"
@@ -138,6 +137,7 @@ class Trainer:
             raise ValueError(f"adapter {adapter_name!r} has no LoRA weights to train")
         self.param_names = [name for name, _ in named]
         self.params = [param for _, param in named]
+        self._adapter_files = AdapterFiles(model, adapter_name, named)
         self.optimizer = torch.optim.AdamW(
             self.params,
             lr=config.learning_rate,
@@ -375,15 +375,15 @@ class Trainer:
         """Write adapter, optimizer and RNG state into `directory` (created if missing)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        _save_adapter(self.model, self.adapter_name, directory)
+        self._adapter_files.save(directory)
         optimizer_state = self.optimizer.state_dict()
         tensors = {
             f"state.{index}.{key}": value.detach().cpu().contiguous()
             for index, entry in optimizer_state["state"].items()
             for key, value in entry.items()
         }
-        save_file(tensors, str(directory / OPTIMIZER_FILE))
-        save_file(self._rng, str(directory / RNG_FILE))
+        write_safetensors(tensors, directory / OPTIMIZER_FILE)
+        write_safetensors(self._rng, directory / RNG_FILE)
         state = {
             "format": STATE_FORMAT,
             "adapter_name": self.adapter_name,
@@ -430,16 +430,6 @@ def _logprob_metrics(logprobs: Tensor, batch: dict[str, Tensor]) -> dict[str, fl
     if known.any():
         metrics["engine_logprob_abs_diff"] = float((logprobs[known] - engine[known]).abs().mean())
     return metrics
-
-
-def _save_adapter(model: PeftModel, adapter_name: str, directory: Path) -> None:
-    """peft's save_pretrained, with the files at the top of `directory` whatever the adapter's name."""
-    model.save_pretrained(str(directory), selected_adapters=[adapter_name], safe_serialization=True)
-    nested = directory / adapter_name
-    if adapter_name != "default" and nested.is_dir():
-        for item in nested.iterdir():
-            item.replace(directory / item.name)
-        shutil.rmtree(nested)
 
 
 def _load_adapter(model: PeftModel, adapter_name: str, path: Path) -> None:
