@@ -16,6 +16,7 @@ trains). If the saved keys are not exactly the trainer's parameters, every save 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,9 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 class AdapterFiles:
     """Writes one adapter's peft files into checkpoint folders (see the module docstring)."""
 
-    def __init__(self, model: PeftModel, adapter_name: str, params: list[tuple[str, Tensor]]) -> None:
+    def __init__(self, model: PeftModel, adapter_name: str, params: Sequence[tuple[str, Tensor]]) -> None:
         """`params`: the adapter's trainable (name, parameter) pairs, the tensors peft saves."""
-        self._model, self._adapter_name, self._params = model, adapter_name, params
+        self._model, self._adapter_name, self._params = model, adapter_name, list(params)
         self._keys: list[tuple[str, Tensor]] | None = None
         """(saved key, parameter) for every tensor peft saves, once learned; None: not yet, or peft
         saves something that is not one of `params` (then every save is peft's)."""
