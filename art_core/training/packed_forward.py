@@ -39,6 +39,7 @@ from peft.tuners.lora import Linear as LoraLinear
 from torch import Tensor, nn
 
 from art_core.models.llama_ops import layer_types, plain_layer_math
+from art_core.training.gated_mlp import activation_of, gated_down
 from art_core.training.lora_projections import lora_projections
 from art_core.training.lora_update import add_lora_update_
 from art_core.training.rms_norm import rms_norm
@@ -361,8 +362,24 @@ def _attention(attn: Any, x: Tensor, layout: _Layout) -> Tensor:
 
 
 def _mlp(mlp: Any, x: Tensor) -> Tensor:
-    """A gated MLP (Llama's `down(act(gate(x)) * up(x))`) on [N, hidden]."""
+    """A gated MLP (Llama's `down(act(gate(x)) * up(x))`) on [N, hidden]; with a plain LoRA down
+    projection on a frozen base, its second half is `gated_mlp.gated_down` (keeps `gate` and `up`
+    for backward, not the activation and the product)."""
     gate, up = project(x, [mlp.gate_proj, mlp.up_proj])
+    down: Any = mlp.down_proj
+    name, activation = active_plain_adapter(down), activation_of(mlp.act_fn)
+    if name is not None and activation is not None and _frozen_plain_linear(down.base_layer, x.dtype):
+        base = down.base_layer
+        return gated_down(
+            gate,
+            up,
+            activation,
+            base.weight,
+            base.bias,
+            down.lora_A[name].weight.to(x.dtype),
+            down.lora_B[name].weight.to(x.dtype),
+            down.scaling[name],
+        )
     return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
