@@ -4,6 +4,7 @@ node gives autograd's values and gradients, keeps less for backward, and the pac
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -115,7 +116,8 @@ def test_the_packed_forward_runs_the_mlp_through_gated_down(
         return original(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(packed_forward, "gated_down", counting)
-    mlp = model.get_base_model().model.layers[0].mlp
+    base: Any = model.get_base_model()
+    mlp = base.model.layers[0].mlp
     x = torch.randn(7, tiny_model.model.config.hidden_size, requires_grad=True)
     packed_forward._mlp(mlp, x).sum().backward()
     assert calls == ["silu"]
