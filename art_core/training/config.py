@@ -145,14 +145,14 @@ class TrainConfig:
     """AdamW betas."""
     micro_batch_tokens: int = 4096
     """Padded tokens per forward/backward pass; gradients are accumulated across micro-batches."""
-    group_pack_tokens: int = 512
+    group_pack_tokens: int = 1024
     """Where the packed forward runs the model (Llama-family bodies), whole groups share a
     micro-batch while the tokens its pass computes stay within this (a prefix common to them and
     each group's prompt count once: `batch.packed_tokens`), and within `micro_batch_tokens`; a group
     larger than this runs alone. Larger passes run the CPU's matmuls closer to their rate (SmolLM2,
-    the demo's 4 x 8 rollouts: 0.74x the time of one pass per group) and hold more activations
-    (~1.6 MB a token for SmolLM2-135M in float32: the demo peaks at 2.66 GB with 512, 3.27 GB
-    with all of its 4 x 8 rollouts in one pass)."""
+    the demo's 4 x 8 rollouts, ~830 tokens: 0.74x the time of one pass per group) and hold more
+    activations (SmolLM2-135M in float32: ~0.78 MB a token, since the MLP and the norms before the
+    projections keep their inputs only; the demo, all four groups in one pass, peaks at 2.86 GB)."""
     logprob_chunk_size: int = 512
     """Positions per chunk when computing log-probs, so full-vocabulary logits never exist at once."""
     matmul_precision: MatmulPrecision = "auto"

@@ -42,7 +42,7 @@ from art_core.models.llama_ops import layer_types, plain_layer_math
 from art_core.training.gated_mlp import activation_of, gated_down
 from art_core.training.lora_projections import lora_projections
 from art_core.training.lora_update import add_lora_update_
-from art_core.training.rms_norm import rms_norm
+from art_core.training.rms_norm import frozen_plain_norm, rms_norm
 from art_core.training.rotary import rotate, signed_sin
 
 SUPPORTED_DECODERS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Gemma3TextModel"})
@@ -86,7 +86,7 @@ def packed_hidden_states(
     kinds = layer_types(body.config)
     layouts = {kind: _layout(body, hidden, position_ids, tree, kind) for kind in set(kinds)}
     for layer, kind in zip(body.layers, kinds, strict=True):
-        out = _attention(layer.self_attn, rms_norm(layer.input_layernorm, hidden), layouts[kind])
+        out = _attention(layer.self_attn, hidden, layouts[kind], layer.input_layernorm)
         if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: norms after attention and MLP too
             hidden = hidden + layer.post_attention_layernorm(out)
             hidden = hidden + layer.post_feedforward_layernorm(
@@ -94,7 +94,7 @@ def packed_hidden_states(
             )
         else:
             hidden = hidden + out
-            hidden = hidden + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, hidden))
+            hidden = hidden + _mlp(layer.mlp, hidden, layer.post_attention_layernorm)
     hidden = rms_norm(body.norm, hidden)
     return hidden[tree.index(positions)]
 
@@ -305,8 +305,8 @@ def _heads(attn: Any) -> tuple[int, int]:
     return kv_heads, config.num_attention_heads // kv_heads
 
 
-def _attention(attn: Any, x: Tensor, layout: _Layout) -> Tensor:
-    """The attention block's output [N, hidden] for packed inputs [N, hidden]."""
+def _attention(attn: Any, x: Tensor, layout: _Layout, norm: nn.Module | None = None) -> Tensor:
+    """The attention block's output [N, hidden] for packed inputs [N, hidden] (normed first by `norm`)."""
     tokens, head_dim = x.shape[0], attn.head_dim
     tree = layout.tree
     batch, prefix, segments, width, own = (
@@ -317,7 +317,7 @@ def _attention(attn: Any, x: Tensor, layout: _Layout) -> Tensor:
         tree.own_width,
     )
     query, key, value = (
-        out.view(tokens, -1, head_dim) for out in project(x, [attn.q_proj, attn.k_proj, attn.v_proj])
+        out.view(tokens, -1, head_dim) for out in project(x, [attn.q_proj, attn.k_proj, attn.v_proj], norm)
     )
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head before the rotation
         query, key = attn.q_norm(query), attn.k_norm(key)
@@ -361,11 +361,11 @@ def _attention(attn: Any, x: Tensor, layout: _Layout) -> Tensor:
     return attn.o_proj(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
 
 
-def _mlp(mlp: Any, x: Tensor) -> Tensor:
-    """A gated MLP (Llama's `down(act(gate(x)) * up(x))`) on [N, hidden]; with a plain LoRA down
+def _mlp(mlp: Any, x: Tensor, norm: nn.Module | None = None) -> Tensor:
+    """A gated MLP (Llama's `down(act(gate(x)) * up(x))`) on [N, hidden] (normed first by `norm`); with a plain LoRA down
     projection on a frozen base, its second half is `gated_mlp.gated_down` (keeps `gate` and `up`
     for backward, not the activation and the product)."""
-    gate, up = project(x, [mlp.gate_proj, mlp.up_proj])
+    gate, up = project(x, [mlp.gate_proj, mlp.up_proj], norm)
     down: Any = mlp.down_proj
     name, activation = active_plain_adapter(down), activation_of(mlp.act_fn)
     if name is not None and activation is not None and _frozen_plain_linear(down.base_layer, x.dtype):
@@ -432,24 +432,33 @@ def is_plain_lora(layer: nn.Module, adapter_name: str, *, replaced_by_us: bool =
     return adapter_name not in lora.lora_variant and plain_dropout and lora.lora_B[adapter_name].bias is None
 
 
-def project(x: Tensor, linears: list[nn.Module]) -> list[Tensor]:
-    """Each linear layer applied to [N, in] inputs `x`. When all are plain LoRA layers of the same
-    active adapter, their down-projections run as one matmul (`x` is read once, and backward
-    computes one weight gradient and one input gradient for all of them), and each output is
-    `base(x) + scaling * down B^T`, added in place. With plain frozen `nn.Linear` bases in `x`'s
-    dtype the whole group is one autograd node (`lora_projections`); otherwise (e.g. `bf16_base`'s
-    copies) each base layer runs itself and the update is `lora_update.add_lora_update_`."""
+def project(x: Tensor, linears: list[nn.Module], norm: nn.Module | None = None) -> list[Tensor]:
+    """Each linear layer applied to [N, in] inputs `x`, or to `norm(x)` with a `norm`. When all are
+    plain LoRA layers of the same active adapter, their down-projections run as one matmul (`x` is
+    read once, and backward computes one weight gradient and one input gradient for all of them),
+    and each output is `base(x) + scaling * down B^T`, added in place. With plain frozen `nn.Linear`
+    bases in `x`'s dtype the whole group is one autograd node (`lora_projections`), the norm inside
+    it when it is a plain frozen RMSNorm (backward then keeps `x`, not the normed values); otherwise
+    (e.g. `bf16_base`'s copies) the norm runs first, each base layer runs itself and the update is
+    `lora_update.add_lora_update_`."""
     names = {active_plain_adapter(linear) for linear in linears}
     name = names.pop() if len(names) == 1 else None
-    if name is None:
-        return [linear(x) for linear in linears]
     loras: list[Any] = linears
-    stacked_a = torch.cat([lora.lora_A[name].weight for lora in loras]).to(x.dtype)
-    bases: list[Any] = [lora.base_layer for lora in loras]
-    if all(_frozen_plain_linear(base, x.dtype) for base in bases):
+    bases: list[Any] = [lora.base_layer for lora in loras] if name is not None else []
+    if name is not None and all(_frozen_plain_linear(base, x.dtype) for base in bases):
+        plain_norm = frozen_plain_norm(norm) if norm is not None else None
+        if norm is not None and (plain_norm is None or plain_norm[0].dtype != x.dtype):
+            x, plain_norm = rms_norm(norm, x), None
+        stacked_a = torch.cat([lora.lora_A[name].weight for lora in loras]).to(x.dtype)
         ups = [lora.lora_B[name].weight.to(x.dtype) for lora in loras]
         weights, biases = [base.weight for base in bases], [base.bias for base in bases]
-        return lora_projections(x, stacked_a, weights, biases, ups, [lora.scaling[name] for lora in loras])
+        scalings = [lora.scaling[name] for lora in loras]
+        return lora_projections(x, stacked_a, weights, biases, ups, scalings, norm=plain_norm)
+    if norm is not None:
+        x = rms_norm(norm, x)
+    if name is None:
+        return [linear(x) for linear in linears]
+    stacked_a = torch.cat([lora.lora_A[name].weight for lora in loras]).to(x.dtype)
     down = F.linear(x, stacked_a)
     outputs, start = [], 0
     for lora in loras:

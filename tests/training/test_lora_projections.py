@@ -96,3 +96,51 @@ def test_trainable_base_weights_and_mismatched_ranks_are_refused() -> None:
         )
     with pytest.raises(ValueError, match="ranks"):
         lora_projections(x, torch.cat(lora_as), weights[1:], biases[1:], lora_bs[1:], scalings[1:])
+
+
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_with_a_norm_it_equals_the_norm_then_the_projections_and_keeps_x_not_the_normed_values(
+    x_grad: bool,
+) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    scalings = [scaling for _, _, scaling in SHAPES]
+    norm = LlamaRMSNorm(INPUTS, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(INPUTS, generator=torch.Generator().manual_seed(5)) + 0.5)
+    norm.weight.requires_grad_(False)
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    def run(fused: bool) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        x, weights, biases, lora_as, lora_bs, upstream = _leaves(True, x_grad)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if fused:
+                outs = lora_projections(
+                    x, torch.cat(lora_as), weights, biases, lora_bs, scalings, norm=(norm.weight, 1e-5)
+                )
+            else:
+                outs = lora_projections(norm(x), torch.cat(lora_as), weights, biases, lora_bs, scalings)
+        sum((out * g).sum() for out, g in zip(outs, upstream, strict=True)).backward()  # type: ignore[union-attr]
+        return [out.detach() for out in outs], [
+            x.grad,
+            *(a.grad for a in lora_as),
+            *(b.grad for b in lora_bs),
+        ]
+
+    ours, our_grads = run(fused=True)
+    kept = [t for t in saved if t.shape == (ROWS, INPUTS)]
+    saved.clear()
+    theirs, their_grads = run(fused=False)
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert_close(mine, reference, dtype=torch.float32, length=2 * INPUTS + 8, depth=3)
+    for index, (mine, reference) in enumerate(zip(our_grads, their_grads, strict=True)):
+        if reference is None:
+            assert mine is None and index == 0 and not x_grad
+            continue
+        assert mine is not None and mine.abs().max() > 0, index
+        assert_close(mine, reference, dtype=torch.float32, length=ROWS + 40 + 2 * INPUTS, depth=4)
+    assert len(kept) == 1  # x itself: the normed [ROWS, INPUTS] values are recomputed in backward
