@@ -151,7 +151,7 @@ class TrainConfig:
     each group's prompt count once: `batch.packed_tokens`), and within `micro_batch_tokens`; a group
     larger than this runs alone. Larger passes run the CPU's matmuls closer to their rate (SmolLM2,
     the demo's 4 x 8 rollouts, ~830 tokens: 0.74x the time of one pass per group) and hold more
-    activations (SmolLM2-135M in float32: ~0.78 MB a token, since the MLP and the norms before the
+    activations (SmolLM2-135M in float32: ~0.9 MB a token, since the MLP and the norms before the
     projections keep their inputs only; the demo, all four groups in one pass, peaks at 2.86 GB)."""
     logprob_chunk_size: int = 512
     """Positions per chunk when computing log-probs, so full-vocabulary logits never exist at once."""
