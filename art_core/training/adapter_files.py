@@ -29,6 +29,8 @@ from torch import Tensor
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 """peft's adapter weights file in a checkpoint folder."""
+PEFT_FILES = ("adapter_config.json", "README.md")
+"""The other files peft's `save_pretrained` writes there (the config and the model card)."""
 
 
 class AdapterFiles:
@@ -72,7 +74,10 @@ class AdapterFiles:
             keys.append((key, param))
         if len({id(param) for _, param in keys}) != len(self._params) or len(keys) != len(self._params):
             return
-        files = [path for path in directory.iterdir() if path.is_file() and path.name != ADAPTER_WEIGHTS]
+        # Only peft's own files: the folder may hold others (an earlier save's optimizer state).
+        files = [directory / name for name in PEFT_FILES if (directory / name).is_file()]
+        if not any(path.name == "adapter_config.json" for path in files):
+            return
         self._files = {path.name: path.read_bytes() for path in files}
         self._keys = keys
 

@@ -66,3 +66,17 @@ def test_write_safetensors_writes_safetensors_bytes(tmp_path: Path, dtype: torch
     write_safetensors(tensors, tmp_path / "ours", metadata={"format": "pt"})
     safetensors.torch.save_file(tensors, str(tmp_path / "reference"), metadata={"format": "pt"})
     assert (tmp_path / "ours").read_bytes() == (tmp_path / "reference").read_bytes()
+
+
+def test_other_files_in_the_folder_are_not_taken_for_peft_s(tiny_model: LoadedModel, tmp_path: Path) -> None:
+    model = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8))
+    named = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    folder = tmp_path / "first"
+    folder.mkdir()
+    (folder / "optimizer.safetensors").write_bytes(b"an earlier save's")
+    files = AdapterFiles(model, "default", named)
+    files.save(folder)
+    files.save(tmp_path / "second")
+    assert {path.name for path in (tmp_path / "second").iterdir()} == {
+        path.name for path in folder.iterdir() if path.name != "optimizer.safetensors"
+    }
