@@ -362,9 +362,9 @@ def _attention(attn: Any, x: Tensor, layout: _Layout, norm: nn.Module | None = N
 
 
 def _mlp(mlp: Any, x: Tensor, norm: nn.Module | None = None) -> Tensor:
-    """A gated MLP (Llama's `down(act(gate(x)) * up(x))`) on [N, hidden] (normed first by `norm`); with a plain LoRA down
-    projection on a frozen base, its second half is `gated_mlp.gated_down` (keeps `gate` and `up`
-    for backward, not the activation and the product)."""
+    """A gated MLP (Llama's `down(act(gate(x)) * up(x))`) on [N, hidden], normed first by `norm`.
+    With a plain LoRA down projection on a frozen base, its second half is `gated_mlp.gated_down`
+    (backward keeps `gate` and `up`, not the activation and the product)."""
     gate, up = project(x, [mlp.gate_proj, mlp.up_proj], norm)
     down: Any = mlp.down_proj
     name, activation = active_plain_adapter(down), activation_of(mlp.act_fn)
