@@ -445,20 +445,23 @@ def project(x: Tensor, linears: list[nn.Module], norm: nn.Module | None = None) 
     name = names.pop() if len(names) == 1 else None
     loras: list[Any] = linears
     bases: list[Any] = [lora.base_layer for lora in loras] if name is not None else []
-    if name is not None and all(_frozen_plain_linear(base, x.dtype) for base in bases):
-        plain_norm = frozen_plain_norm(norm) if norm is not None else None
-        if norm is not None and (plain_norm is None or plain_norm[0].dtype != x.dtype):
-            x, plain_norm = rms_norm(norm, x), None
-        stacked_a = torch.cat([lora.lora_A[name].weight for lora in loras]).to(x.dtype)
-        ups = [lora.lora_B[name].weight.to(x.dtype) for lora in loras]
-        weights, biases = [base.weight for base in bases], [base.bias for base in bases]
-        scalings = [lora.scaling[name] for lora in loras]
-        return lora_projections(x, stacked_a, weights, biases, ups, scalings, norm=plain_norm)
-    if norm is not None:
+
+    def one_node(dtype: torch.dtype) -> bool:
+        return name is not None and all(_frozen_plain_linear(base, dtype) for base in bases)
+
+    plain_norm = frozen_plain_norm(norm) if norm is not None and one_node(x.dtype) else None
+    if plain_norm is not None and plain_norm[0].dtype != x.dtype:
+        plain_norm = None
+    if norm is not None and plain_norm is None:  # not inside the projections' node: run it first
         x = rms_norm(norm, x)
     if name is None:
         return [linear(x) for linear in linears]
     stacked_a = torch.cat([lora.lora_A[name].weight for lora in loras]).to(x.dtype)
+    if one_node(x.dtype):
+        ups = [lora.lora_B[name].weight.to(x.dtype) for lora in loras]
+        weights, biases = [base.weight for base in bases], [base.bias for base in bases]
+        scalings = [lora.scaling[name] for lora in loras]
+        return lora_projections(x, stacked_a, weights, biases, ups, scalings, norm=plain_norm)
     down = F.linear(x, stacked_a)
     outputs, start = [], 0
     for lora in loras:
