@@ -57,3 +57,39 @@ def test_release_thread_pool_ends_the_calling_threads_openmp_workers() -> None:
     released, started, ended, restarted = out.stdout.split()
     assert released == "True"
     assert int(started) == 2 and int(ended) == 2 and int(restarted) == 2
+
+
+def test_the_engine_worker_lets_its_openmp_workers_go_when_it_has_nothing_to_run() -> None:
+    """Idle or paused, the decode thread's pool would cut the trainer's barrier spins (each pool's
+    workers count against the CPUs); the worker ends it and starts a new one with its next op."""
+    code = (
+        "import time, torch\n"
+        "from art_core.engine.torch.engine import TorchEngine\n"
+        "from art_core.models.loading import load_model\n"
+        "def threads():\n"
+        "    return int(next(l for l in open('/proc/self/status') if l.startswith('Threads')).split()[1])\n"
+        "def settled(limit):\n"
+        "    deadline = time.monotonic() + 5\n"
+        "    while threads() > limit and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
+        "    return threads()\n"
+        "def work():  # on the worker: a parallel region starts its pool of 2\n"
+        "    a = torch.randn(256, 256)\n"
+        "    (a @ a).sum()\n"
+        "    return threads()\n"
+        "torch.set_num_threads(3)\n"
+        "loaded = load_model('tiny-random')\n"
+        "engine = TorchEngine(loaded.model, loaded.tokenizer)\n"
+        "base = settled(0)\n"
+        "during = engine._control(work)\n"
+        "idle = settled(base)\n"
+        "engine.pause()\n"
+        "engine.resume()  # the re-merge runs on the worker: a pool again, then let go\n"
+        "during_again = engine._control(work)\n"
+        "print(during - base, idle - base, during_again - base, settled(base) - base)\n"
+        "engine.close()\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert [int(n) for n in out.stdout.split()] == [2, 0, 2, 0]
