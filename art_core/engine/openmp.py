@@ -22,7 +22,8 @@ workers then sleep and wake at every op (~415 futex waits per SmolLM2 step at 32
 ~5, measured 60 -> 88 ms a step). `release_thread_pool` ends the calling thread's pool (its next
 parallel op starts a new one); the engine calls it on the thread that built it, on the one
 that resumes it after training, and on its decode thread whenever that has nothing to run (paused
-for training or idle: the demo's train step took ~15% longer beside a live decode pool). Standard library only: importing this module loads no torch.
+for training or idle: the demo's train step took ~15% longer beside a live decode pool).
+Standard library only: importing this module loads no torch.
 """
 
 from __future__ import annotations

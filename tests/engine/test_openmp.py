@@ -60,19 +60,21 @@ def test_release_thread_pool_ends_the_calling_threads_openmp_workers() -> None:
 
 
 def test_the_engine_worker_lets_its_openmp_workers_go_when_it_has_nothing_to_run() -> None:
-    """Idle or paused, the decode thread's pool would cut the trainer's barrier spins (each pool's
-    workers count against the CPUs); the worker ends it and starts a new one with its next op."""
+    """Idle or paused (one check: nothing it may run), the decode thread's pool would cut the
+    trainer's barrier spins (every pool's workers count against the CPUs); the worker ends it, and
+    its next op starts a new one."""
     code = (
         "import time, torch\n"
         "from art_core.engine.torch.engine import TorchEngine\n"
         "from art_core.models.loading import load_model\n"
         "def threads():\n"
         "    return int(next(l for l in open('/proc/self/status') if l.startswith('Threads')).split()[1])\n"
-        "def settled(limit):\n"
-        "    deadline = time.monotonic() + 5\n"
-        "    while threads() > limit and time.monotonic() < deadline:\n"
-        "        time.sleep(0.01)\n"
-        "    return threads()\n"
+        "def steady():  # the count once it stops changing (released workers exit shortly after)\n"
+        "    previous, deadline = -1, time.monotonic() + 5\n"
+        "    while (count := threads()) != previous and time.monotonic() < deadline:\n"
+        "        previous = count\n"
+        "        time.sleep(0.05)\n"
+        "    return count\n"
         "def work():  # on the worker: a parallel region starts its pool of 2\n"
         "    a = torch.randn(256, 256)\n"
         "    (a @ a).sum()\n"
@@ -80,13 +82,11 @@ def test_the_engine_worker_lets_its_openmp_workers_go_when_it_has_nothing_to_run
         "torch.set_num_threads(3)\n"
         "loaded = load_model('tiny-random')\n"
         "engine = TorchEngine(loaded.model, loaded.tokenizer)\n"
-        "base = settled(0)\n"
+        "base = steady()\n"
         "during = engine._control(work)\n"
-        "idle = settled(base)\n"
-        "engine.pause()\n"
-        "engine.resume()  # the re-merge runs on the worker: a pool again, then let go\n"
-        "during_again = engine._control(work)\n"
-        "print(during - base, idle - base, during_again - base, settled(base) - base)\n"
+        "idle = steady()\n"
+        "again = engine._control(work)\n"
+        "print(during - base, idle - base, again - base, steady() - base)\n"
         "engine.close()\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
