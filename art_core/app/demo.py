@@ -158,11 +158,13 @@ async def run_demo(config: DemoConfig, on_step: StepCallback | None = None) -> D
     )
     from art_core.engine.config import EngineConfig  # torch: imported when the demo runs
 
-    # Only the head's decode weight packed: every LoRA step re-merges the other weights (and would
-    # repack them), and packing them all costs ~0.5 GB of the demo's 3 GB; the head is a step's
-    # largest matmul and never re-merged (docs/benchmarks.md, "`art demo`"). No prefix cache: each
-    # step's re-merge empties it before the next step's prompts could hit, and the rows of a step
-    # share their prompts' prefill by themselves; it held ~90 MB at the train step's peak.
+    # "head": where the adapter is served merged (a bf16 copy), only the head's decode weight is
+    # packed: every LoRA step re-merges the other weights (and would repack them), and packing them
+    # all costs ~0.5 GB of the demo's 3 GB. Where it is served unmerged (float32 on a CPU without
+    # native bf16, `EngineConfig.serve_unmerged`), every base weight is packed once, in the merged
+    # copy's place (docs/benchmarks.md, "`art demo`"). No prefix cache: each step's new weights
+    # empty it before the next step's prompts could hit, and the rows of a step share their
+    # prompts' prefill by themselves; it held ~90 MB at the train step's peak.
     backend = LocalBackend(config.path, engine_config=EngineConfig(pack_weights="head", prefix_cache_mib=0))
     rewards: list[float] = []
     start_step = 0

@@ -75,6 +75,14 @@ class EngineConfig:
     it is (no copy). A dtype: always that one (a plain model in another dtype gets a cast copy). bf16
     logprobs differ from the fp32 trainer's (SmolLM2: ~0.03 nats on average, up to ~0.15), a mismatch
     the trainer's truncated importance sampling corrects; float32 reproduces peft's logprobs to ~1e-5."""
+    serve_unmerged: bool | None = None
+    """Serve the adapter unmerged: the trainer's own base weights (shared, not copied) plus the
+    adapter's low-rank update in every adapted projection (`lora_serving.UnmergedWeights`), instead
+    of a merged copy. Only where the serving dtype is the model's. None (auto): where the base
+    weights are packed for decoding (`pack_weights`), which is then done once instead of never:
+    a float32 model on a CPU without native bf16; the packed copies take the merged copy's place
+    in memory, and a train step needs no re-merge. True: whenever the dtype allows it; False:
+    always a merged copy."""
     pack_weights: bool | Literal["head"] | None = None
     """Decode through oneDNN-packed copies of the serving copy's matmul weights (CPU only; one more
     copy of those weights in memory: ~540 MB for SmolLM2-135M in float32, half that in bf16). None:
@@ -83,7 +91,9 @@ class EngineConfig:
     docs/benchmarks.md); float32 is not packed where bf16 is native (not measured there). True:
     pack whatever oneDNN packs; False: never. "head": the output head only (the largest matmul of a
     decode step, and one a LoRA step never re-merges, so it is packed once: 113 MB more for
-    SmolLM2-135M in float32; what `art demo` does within its memory budget)."""
+    SmolLM2-135M in float32; what `art demo` does within its memory budget). An unmerged serving
+    copy (`serve_unmerged`) packs every base weight for "head" as for None: its packs replace the
+    merged copy rather than add to it."""
 
     adapt_threads: bool = False
     """Choose the decode loop's thread count by timing its own steps (`engine.torch.threads`): 1 or
@@ -110,6 +120,8 @@ class EngineConfig:
             raise TypeError(
                 f"pack_weights must be None (auto), True, False or 'head', got {self.pack_weights!r}"
             )
+        if self.serve_unmerged is not None and not isinstance(self.serve_unmerged, bool):
+            raise TypeError(f"serve_unmerged must be None (auto), True or False, got {self.serve_unmerged!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_queued_rows < 1:

@@ -17,7 +17,9 @@ the attention itself:
 Supported: `LlamaForCausalLM`, `Qwen2ForCausalLM` and `Qwen3ForCausalLM` (its q/k norms: an
 RMSNorm over each head of the queries and keys before the rotation) with full attention in every
 layer, and `Gemma3ForCausalLM` (q/k norms, norms after attention and MLP, a rope base per layer
-type, sliding-window layers: the last `sliding_window` positions), all with no peft wrapping (the engine's merged serving copy). `supports_decode_step` says whether a model
+type, sliding-window layers: the last `sliding_window` positions), all with no peft wrapping: the
+engine's merged serving copy, or its unmerged one (`lora_serving`), whose projections add a
+low-rank update (`LowRank`) to frozen base weights. `supports_decode_step` says whether a model
 qualifies; anything else runs transformers' forward. The logits equal transformers' to float
 rounding (tests/engine/test_decode_step.py).
 """
@@ -69,8 +71,8 @@ def fuse_projections(model: Any) -> None:
     vars(model).pop(LAYERS, None)  # `decode_step`'s view of the layers, made before the fusion
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.art_qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        mlp.art_gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+        setattr(attn, QKV, _fuse([attn.q_proj, attn.k_proj, attn.v_proj]))
+        setattr(mlp, GATE_UP, _fuse([mlp.gate_proj, mlp.up_proj]))
 
 
 def _fuse(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -87,6 +89,29 @@ def _fuse(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
             linear.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
         start += rows
     return fused, bias
+
+
+class LowRank:
+    """`x -> (x @ down^T) @ up^T`: one LoRA adapter's update of a projection (or of a fused group of
+    them: `down` stacks their A matrices, `up` holds each one's scaled B on the block diagonal), the
+    scale folded into `up`. `lora_serving.UnmergedWeights` replaces the two tensors whenever the
+    adapter's weights change; every reader holds this object, so it sees the new ones."""
+
+    __slots__ = ("down", "up")
+
+    def __init__(self, down: torch.Tensor, up: torch.Tensor) -> None:
+        self.down = down
+        """[rank, in]"""
+        self.up = up
+        """[out, rank]"""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.down), self.up)
+
+
+Weight = torch.Tensor | tuple[torch.Tensor, ...]
+"""A projection's weight, or (in the unmerged serving copy) the weights of a fused group of
+projections, which `_linear` multiplies by as one packed matrix."""
 
 
 @dataclass(frozen=True)
@@ -122,18 +147,28 @@ class _Layer:
     k_norm: Any | None
     attn: Any
     """The attention module (its q/k/v projections when they are not fused)."""
-    qkv: tuple[torch.Tensor, torch.Tensor | None] | None
-    """`fuse_projections`' q/k/v weight and bias, or None."""
+    qkv: tuple[Weight, torch.Tensor | None] | None
+    """`fuse_projections`' q/k/v weight and bias (the unmerged copy's: the three weights), or None."""
+    qkv_lora: LowRank | None
+    """The unmerged copy's LoRA update of q/k/v together, or None."""
     o_proj: Any
+    o_lora: LowRank | None
     mlp: Any
-    gate_up: tuple[torch.Tensor, torch.Tensor | None] | None
+    gate_up: tuple[Weight, torch.Tensor | None] | None
     """`fuse_projections`' gate/up weight and bias, or None (the MLP module runs whole)."""
+    gate_up_lora: LowRank | None
     down_proj: Any
+    down_lora: LowRank | None
     act: Any
 
 
 LAYERS = "art_decode_layers"
 """Attribute of a model holding its `_Layer`s (made on the first `decode_step`)."""
+
+QKV, GATE_UP, LOW_RANK = "art_qkv", "art_gate_up", "art_low_rank"
+"""Attributes `decode_step` reads where present: a fused q/k/v (on the attention module) or
+gate/up (on the MLP) weight and bias; a `LowRank` on a projection, or with the `_lora` suffix on
+the attention module or MLP for its fused group."""
 
 
 def _layers(model: Any) -> tuple[_Layer, ...]:
@@ -164,11 +199,15 @@ def _layers(model: Any) -> tuple[_Layer, ...]:
                 q_norm=_norm_of(attn.q_norm) if getattr(attn, "q_norm", None) is not None else None,
                 k_norm=_norm_of(attn.k_norm) if getattr(attn, "k_norm", None) is not None else None,
                 attn=attn,
-                qkv=getattr(attn, "art_qkv", None),
+                qkv=getattr(attn, QKV, None),
+                qkv_lora=getattr(attn, QKV + "_lora", None),
                 o_proj=attn.o_proj,
+                o_lora=getattr(attn.o_proj, LOW_RANK, None),
                 mlp=mlp,
-                gate_up=getattr(mlp, "art_gate_up", None),
+                gate_up=getattr(mlp, GATE_UP, None),
+                gate_up_lora=getattr(mlp, GATE_UP + "_lora", None),
                 down_proj=mlp.down_proj,
+                down_lora=getattr(mlp.down_proj, LOW_RANK, None),
                 act=mlp.act_fn,
             )
         )
@@ -221,7 +260,7 @@ def decode_step(
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=attend, scale=layer.scaling)
         else:
             out = matmul_attention(query, keys, values, attend, layer.scaling)
-        out = _apply(layer.o_proj, out.reshape(input_ids.shape[0], 1, -1), packs)
+        out = _apply(layer.o_proj, out.reshape(input_ids.shape[0], 1, -1), packs, layer.o_lora)
         if layer.pre_feedforward_norm is not None:  # Gemma 3: norms after attention and MLP too
             hidden = hidden + _norm(layer.post_attention_norm, out)
             mlp = _mlp(layer, _norm(layer.pre_feedforward_norm, hidden), packs)
@@ -230,7 +269,8 @@ def decode_step(
             hidden = hidden + out
             hidden = hidden + _mlp(layer, _norm(layer.post_attention_norm, hidden), packs)
     hidden = _norm(_norm_of(body.norm), hidden)
-    return _apply(model.lm_head, hidden[:, -1], head_packs).float()
+    head = model.lm_head
+    return _apply(head, hidden[:, -1], head_packs, getattr(head, LOW_RANK, None)).float()
 
 
 def _attention_bias(keep: torch.Tensor, hidden: torch.Tensor, kv_heads: int) -> torch.Tensor | None:
@@ -289,7 +329,7 @@ def _qkv(
     `sin` is `signed_sin` of the model's sine (`rotate_signed`)."""
     rows, heads, kv_heads, head_dim = x.shape[0], layer.heads, layer.kv_heads, layer.head_dim
     if layer.qkv is not None:
-        qkv = _linear(x, *layer.qkv, packs).view(rows, heads + 2 * kv_heads, head_dim)
+        qkv = _linear(x, *layer.qkv, packs, layer.qkv_lora).view(rows, heads + 2 * kv_heads, head_dim)
     else:
         attn = layer.attn
         qkv = torch.cat(
@@ -323,8 +363,8 @@ def _mlp(layer: _Layer, x: torch.Tensor, packs: dict[int, _Packed] | None) -> to
     """The layer's MLP, with gate and up in one matmul when `fuse_projections` fused them."""
     if layer.gate_up is None:
         return layer.mlp(x)  # type: ignore[no-any-return]
-    gate, up = _linear(x, *layer.gate_up, packs).chunk(2, dim=-1)
-    return _apply(layer.down_proj, layer.act(gate) * up, packs)
+    gate, up = _linear(x, *layer.gate_up, packs, layer.gate_up_lora).chunk(2, dim=-1)
+    return _apply(layer.down_proj, layer.act(gate) * up, packs, layer.down_lora)
 
 
 PACKED_WEIGHTS = "art_packed_weights"
@@ -346,12 +386,12 @@ against 14.9 ms), and hints from 8 to 256 are alike."""
 
 @dataclass(frozen=True)
 class _Packed:
-    weight: torch.Tensor
-    """The plain weight the packed copy was made from (kept to compare identities)."""
-    version: int
-    """`weight._version` when packed: every in-place write (a re-merge) bumps it."""
+    weight: Weight
+    """The plain weight (or fused group) the packed copy was made from (kept to compare identities)."""
+    version: int | tuple[int, ...]
+    """`_version(weight)` when packed: every in-place write (a re-merge) bumps it."""
     packed: torch.Tensor
-    """oneDNN's blocked layout of `weight`."""
+    """oneDNN's blocked layout of `weight` (a group's weights stacked, in order)."""
 
 
 def pack_weights(model: Any, pack: bool | Literal["head"] | None = None) -> bool:
@@ -371,33 +411,62 @@ def pack_weights(model: Any, pack: bool | Literal["head"] | None = None) -> bool
     re-merge repacks it), for one more copy of the head alone (SmolLM2-135M: 113 MB in float32).
     """
     parameter = next(model.parameters())
-    if pack is False or parameter.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if parameter.dtype == torch.bfloat16:
-        usable = onednn_packs_bf16()
-    else:
-        usable = parameter.dtype == torch.float32 and (pack in (True, "head") or not cpu_has_native_bf16())
+    usable = packable(parameter.dtype, parameter.device, pack)
     if usable:
         setattr(model, PACKED_HEAD if pack == "head" else PACKED_WEIGHTS, {})
     return usable
 
 
-def _apply(linear: Any, x: torch.Tensor, packs: dict[int, _Packed] | None) -> torch.Tensor:
-    """A linear module on `x`: through its packed weight when `packs` holds them, else the module
-    itself (its hooks included)."""
+def packable(dtype: torch.dtype, device: torch.device, pack: bool | Literal["head"] | None) -> bool:
+    """Whether `pack_weights(model, pack)` packs a model of `dtype` on `device`."""
+    if pack is False or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return onednn_packs_bf16()
+    return dtype == torch.float32 and (pack in (True, "head") or not cpu_has_native_bf16())
+
+
+def _apply(
+    linear: Any, x: torch.Tensor, packs: dict[int, _Packed] | None, lora: LowRank | None = None
+) -> torch.Tensor:
+    """A linear module on `x`: through its packed weight (plus its `LowRank` update `lora`) when
+    `packs` holds them, else the module itself (its hooks and its own update included)."""
     if packs is None:
         return linear(x)  # type: ignore[no-any-return]
-    return _linear(x, linear.weight, linear.bias, packs)
+    return _linear(x, linear.weight, linear.bias, packs, lora)
 
 
 def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packs: dict[int, _Packed] | None
+    x: torch.Tensor,
+    weight: Weight,
+    bias: torch.Tensor | None,
+    packs: dict[int, _Packed] | None,
+    lora: LowRank | None = None,
 ) -> torch.Tensor:
-    """`F.linear`, through a packed copy of `weight` when `packs` holds them."""
+    """`F.linear` (plus the `LowRank` update `lora`), through a packed copy of `weight` when `packs`
+    holds them. A fused group (a tuple of weights) is multiplied by as their stacked rows."""
     if packs is None:
-        return F.linear(x, weight, bias)
-    entry = packs.get(id(weight))
-    if entry is None or entry.weight is not weight or entry.version != weight._version:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
-        entry = packs[id(weight)] = _Packed(weight, weight._version, packed)
-    return torch.ops.mkldnn._linear_pointwise.default(x, entry.packed, bias, "none", [], "")
+        out = F.linear(x, weight if isinstance(weight, torch.Tensor) else torch.cat(weight), bias)
+    else:
+        version = _version(weight)
+        entry = packs.get(id(weight))
+        if entry is None or entry.weight is not weight or entry.version != version:
+            plain = (
+                weight.detach()
+                if isinstance(weight, torch.Tensor)
+                else torch.cat([w.detach() for w in weight])
+            )
+            packed = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS_HINT)
+            del plain  # a group's stacked copy: only its packed layout is kept
+            entry = packs[id(weight)] = _Packed(weight, version, packed)
+        out = torch.ops.mkldnn._linear_pointwise.default(x, entry.packed, bias, "none", [], "")
+    if lora is not None:
+        out += lora(x)
+    return out
+
+
+def _version(weight: Weight) -> int | tuple[int, ...]:
+    """The torch version counter(s) of `weight`: they change with every in-place write."""
+    if isinstance(weight, torch.Tensor):
+        return weight._version
+    return tuple(w._version for w in weight)

@@ -134,7 +134,13 @@ class TorchEngine:
         self._stats = EngineStats(0, 0, 0, 0)
         self._admission = Admission(config.max_queued_rows)  # counted and released holding _cond
         self._serving = (
-            serving_copy(model, config.serve_adapter, config.serve_dtype, pack=config.pack_weights)
+            serving_copy(
+                model,
+                config.serve_adapter,
+                config.serve_dtype,
+                pack=config.pack_weights,
+                unmerged=config.serve_unmerged,
+            )
             if config.merged_serving
             else None
         )

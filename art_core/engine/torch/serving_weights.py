@@ -27,13 +27,22 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
-from art_core.engine.torch.decode_step import PACKED_HEAD, PACKED_WEIGHTS, fuse_projections, pack_weights
+from art_core.engine.torch.decode_step import (
+    PACKED_HEAD,
+    PACKED_WEIGHTS,
+    fuse_projections,
+    pack_weights,
+    packable,
+)
 from art_core.models.hardware import cpu_has_native_bf16
+
+if TYPE_CHECKING:
+    from art_core.engine.torch.lora_serving import UnmergedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +77,20 @@ def serving_copy(
     dtype: torch.dtype | str,
     *,
     pack: bool | Literal["head"] | None = None,
-) -> MergedWeights | None:
-    """The serving copy that `EngineConfig.serve_adapter` / `serve_dtype` ask for; None: serve `model` itself.
+    unmerged: bool | None = None,
+) -> MergedWeights | UnmergedWeights | None:
+    """The serving copy that `EngineConfig.serve_adapter` / `serve_dtype` / `serve_unmerged` ask for;
+    None: serve `model` itself.
 
     `target` None is the active adapter of a peft model (the trainer's) or the base of a plain
     one. `dtype` "auto" is bfloat16 for a peft model where bf16 is fast (`fast_bf16`), else the
     model's dtype. A plain model already in the dtype gets no copy; neither does an adapter that
     cannot be merged (logged: its rows then run through peft). `pack`: `EngineConfig.pack_weights`.
+    An adapter served in the model's own dtype is served unmerged (`lora_serving.UnmergedWeights`)
+    where `unmerged` is True, or None and its base weights are packed; else merged.
     """
+    from art_core.engine.torch.lora_serving import UnmergedWeights
+
     peft = peft_model_of(model)
     if target is None:
         target = str(model.active_adapters[0]) if peft else BASE_TARGET  # type: ignore[index]
@@ -85,14 +100,33 @@ def serving_copy(
         dtype = torch.bfloat16 if peft and fast_bf16(device) else model_dtype(model)
     if not peft and adapter is None and dtype == model_dtype(model):
         return None
+    device = next(model.parameters()).device
+    packed = packable(dtype, device, None if pack == "head" else pack)
+    if adapter is not None and dtype == model_dtype(model) and (unmerged or (unmerged is None and packed)):
+        try:
+            unmerged_copy = UnmergedWeights(model, adapter, pack=pack)
+        except UnsupportedAdapterError as exc:
+            logger.log(
+                logging.WARNING if unmerged else logging.INFO,
+                "adapter %s served merged, not unmerged: %s",
+                target,
+                exc,
+            )
+        else:
+            logger.info(
+                "serving adapter %s unmerged over the base weights (packed: %s)",
+                target,
+                unmerged_copy.packed,
+            )
+            return unmerged_copy
     try:
         merged = MergedWeights(model, adapter, dtype, pack=pack)
     except UnsupportedAdapterError as exc:
         logger.warning("no merged serving copy (its rows run through peft): %s", exc)
         return None
-    packed = " (oneDNN-packed matmul weights)" if hasattr(merged.model, PACKED_WEIGHTS) else ""
-    packed = " (oneDNN-packed head)" if hasattr(merged.model, PACKED_HEAD) else packed
-    logger.info("serving adapter %s from a merged %s copy%s", target, dtype, packed)
+    layout = " (oneDNN-packed matmul weights)" if hasattr(merged.model, PACKED_WEIGHTS) else ""
+    layout = " (oneDNN-packed head)" if hasattr(merged.model, PACKED_HEAD) else layout
+    logger.info("serving adapter %s from a merged %s copy%s", target, dtype, layout)
     return merged
 
 

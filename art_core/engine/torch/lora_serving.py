@@ -1,0 +1,275 @@
+"""An unmerged serving copy: the trainer's own base weights, packed once, plus the LoRA update live.
+
+`MergedWeights` keeps a second model whose weights are `W + s B A`: in a serving dtype other than
+the trainer's (bf16 where it is native) that copy is needed anyway, and the merge is free. Where the
+serving dtype *is* the trainer's (float32 on CPUs without native bf16) the merged copy is 425 MB
+held beside the same base weights (SmolLM2-135M), rewritten after every train step, and too fresh
+to pack: oneDNN's packed layout pays for itself only over many steps (`decode_step.pack_weights`).
+
+`UnmergedWeights` serves the same adapter without a merge. Its model is a plain transformers model
+(a skeleton of the trainer's class) whose every parameter and buffer *is* the trainer's base tensor
+(shared, not copied), and whose LoRA-adapted projections are `UnmergedLinear`s: the base layer's
+weight plus a `decode_step.LowRank` update that holds copies of the adapter's A and scaled B (a few
+hundred KB), refreshed by `sync()` when the trainer changed them. The base weights never change
+while LoRA trains, so the decode step's packed copies of them (q/k/v and gate/up stacked, as the
+merged copy fuses them) are made once and serve every later step; the packs take the place of the
+merged copy in memory. Prefill runs transformers' forward through the same modules.
+
+Same staleness contract as `MergedWeights`: `sync()` compares the version counters of the
+adapter's tensors (and their scale) and refreshes the updates that changed; the trainer changes
+weights only while the engine is paused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from art_core.engine.torch.decode_step import (
+    GATE_UP,
+    LOW_RANK,
+    QKV,
+    LowRank,
+    pack_weights,
+    supports_decode_step,
+)
+from art_core.engine.torch.serving_weights import (
+    Stamp,
+    UnsupportedAdapterError,
+    _check_plain_lora,
+    _lora_tensors,
+    _resolve,
+    _skeleton,
+    _tensor_stamp,
+    base_model_of,
+    model_dtype,
+    peft_model_of,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class UnmergedLinear(nn.Module):
+    """A linear layer whose weight and bias are another model's (shared) plus a `LowRank` update."""
+
+    def __init__(self, base: nn.Linear, low_rank: LowRank) -> None:
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        setattr(self, LOW_RANK, low_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low_rank: LowRank = getattr(self, LOW_RANK)
+        return F.linear(x, self.weight, self.bias) + low_rank(x)
+
+
+class _Update:
+    """Where one `LowRank` comes from: the LoRA layers of its projections (None: no LoRA there)."""
+
+    def __init__(self, paths: list[str], loras: list[Any | None], outs: list[int], low_rank: LowRank) -> None:
+        self.paths, self.loras, self.outs, self.low_rank = paths, loras, outs, low_rank
+        self.stamp: Stamp | None = None
+
+    def current(self, adapter: str) -> Stamp:
+        stamp: Stamp = ()
+        for lora in self.loras:
+            if lora is not None:
+                stamp += (lora.scaling.get(adapter),)
+                stamp += tuple(_tensor_stamp(t) for t in _lora_tensors(lora, adapter))
+        return stamp
+
+    def refresh(self, adapter: str) -> None:
+        """`down` = the A matrices stacked; `up` = each scaled B on the block diagonal (float32 math,
+        cast to the base weights' dtype)."""
+        downs, ups = [], []
+        for lora in self.loras:
+            if lora is None:
+                continue
+            downs.append(lora.lora_A[adapter].weight.detach())
+            ups.append(lora.lora_B[adapter].weight.detach().float() * lora.scaling[adapter])
+        dtype = self.low_rank.down.dtype
+        down = torch.cat(downs).to(dtype)
+        up = torch.zeros((sum(self.outs), down.shape[0]), dtype=dtype, device=down.device)
+        row = col = 0
+        ups_left = iter(ups)
+        for lora, out in zip(self.loras, self.outs, strict=True):
+            if lora is not None:
+                block = next(ups_left)
+                up[row : row + out, col : col + block.shape[1]] = block
+                col += block.shape[1]
+            row += out
+        self.low_rank.down, self.low_rank.up = down, up
+
+
+class UnmergedWeights:
+    """`model`'s base weights (shared) plus `adapter`'s LoRA update, unmerged; see the module docstring.
+
+    Raises UnsupportedAdapterError where this cannot serve the adapter exactly (then use
+    `MergedWeights`): a dtype other than the model's, LoRA on anything but a linear layer, or an
+    architecture `decode_step` does not run.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter: str,
+        *,
+        pack: bool | Literal["head"] | None = None,
+    ) -> None:
+        if not peft_model_of(model) or adapter not in model.peft_config:  # type: ignore[operator]
+            raise UnsupportedAdapterError(f"the model has no adapter {adapter!r} to serve")
+        self.adapter = adapter
+        self.dtype = model_dtype(model)
+        source_root = base_model_of(model)
+        self.model: Any = _skeleton(source_root, self.dtype)
+        if not supports_decode_step(self.model):
+            raise UnsupportedAdapterError(f"{type(self.model).__name__} has no unmerged decode step")
+        self._updates: list[_Update] = []
+        self._loras: dict[int, Any] = {}  # id of a projection's LowRank -> its LoRA layer
+        self._biases: list[tuple[tuple[torch.Tensor, ...], torch.Tensor, Stamp]] = []
+        """Fused groups' stacked biases: (the base biases, their stack, the stamp it was made at)."""
+        self._share(source_root)
+        self.model.eval()
+        self.packed = pack_weights(self.model, None if pack == "head" else pack)
+        """Whether decode steps multiply by packed copies of the base weights (else plain `F.linear`)."""
+        self._fuse()
+        self._structure = _structure(model)
+        self.merges = 0
+        """How many times `sync` refreshed at least one update (the prefix cache's weight version)."""
+        self.shared_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of the trainer's tensors the copy serves from (all of its parameters)."""
+        self.sync(model)
+
+    def sync(self, model: nn.Module, force: bool = False) -> int:
+        """Refresh the LoRA updates whose adapter tensors changed (all if `force`); returns how many.
+        Raises UnsupportedAdapterError if the adapter is gone or its LoRA layers were replaced."""
+        if _structure(model) != self._structure:
+            self._remap(model)
+        started = time.perf_counter()
+        written = 0
+        with torch.no_grad():
+            for index, (sources, stacked, stamp) in enumerate(self._biases):
+                current = tuple(_tensor_stamp(b) for b in sources)
+                if (
+                    force or current != stamp
+                ):  # base biases are frozen under LoRA; a user may still write them
+                    stacked.copy_(torch.cat(sources))
+                    self._biases[index] = (sources, stacked, current)
+                    written += 1
+            for update in self._updates:
+                stamp = update.current(self.adapter)
+                if force or stamp != update.stamp:
+                    update.refresh(self.adapter)
+                    update.stamp = stamp
+                    written += 1
+        if written:
+            self.merges += 1
+            logger.debug("refreshed %d LoRA updates in %.3fs", written, time.perf_counter() - started)
+        return written
+
+    def stale(self, model: nn.Module) -> bool:
+        """Whether `sync` would refresh anything; changes nothing."""
+        if _structure(model) != self._structure:
+            return True
+        if any(tuple(_tensor_stamp(b) for b in sources) != stamp for sources, _, stamp in self._biases):
+            return True
+        return any(update.current(self.adapter) != update.stamp for update in self._updates)
+
+    def _remap(self, model: nn.Module) -> None:
+        """After adapters were added or removed: check that the served one's LoRA layers are the
+        ones this copy reads (peft adds other adapters beside them, in the same layers)."""
+        if not peft_model_of(model) or self.adapter not in model.peft_config:  # type: ignore[operator]
+            raise UnsupportedAdapterError(f"the model has no adapter {self.adapter!r} to serve any more")
+        root = base_model_of(model)
+        for update in self._updates:
+            for path, lora in zip(update.paths, update.loras, strict=True):
+                if lora is not None and _resolve(root, path, self.adapter)[1] is not lora:
+                    raise UnsupportedAdapterError(
+                        f"the LoRA layer at {path} was replaced since the copy was made"
+                    )
+        self._structure = _structure(model)
+
+    def _share(self, source_root: nn.Module) -> None:
+        """Point every tensor of the skeleton at the source's base tensor, and replace each linear
+        layer the adapter adapts by an `UnmergedLinear` over its base."""
+        swap: dict[int, torch.Tensor] = {}
+        adapted: list[tuple[str, nn.Linear, Any]] = []
+        for path, module in self.model.named_modules(remove_duplicate=False):
+            source_module, lora = _resolve(source_root, path, self.adapter)
+            for name, dest in [
+                *module.named_parameters(recurse=False, remove_duplicate=False),
+                *module.named_buffers(recurse=False, remove_duplicate=False),
+            ]:
+                source = getattr(source_module, name, None)
+                if (
+                    not isinstance(source, torch.Tensor)
+                    or source.shape != dest.shape
+                    or source.dtype != dest.dtype
+                ):
+                    raise UnsupportedAdapterError(
+                        f"cannot serve {path}.{name} from the source model as it is"
+                    )
+                swap[id(dest)] = source
+            if lora is not None:
+                _check_plain_lora(lora, self.adapter)
+                if not isinstance(source_module, nn.Linear) or lora.fan_in_fan_out:
+                    raise UnsupportedAdapterError(
+                        f"LoRA on {path} ({type(source_module).__name__}) is not a plain linear one"
+                    )
+                adapted.append((path, source_module, lora))
+        for module in self.model.modules():
+            for store in (module._parameters, module._buffers):
+                for name, tensor in store.items():
+                    if tensor is not None and id(tensor) in swap:
+                        store[name] = swap[id(tensor)]  # type: ignore[assignment]
+        for path, base, lora in adapted:
+            parent_path, _, name = path.rpartition(".")
+            parent = self.model.get_submodule(parent_path)
+            low_rank = self._update([path], [lora], [base.out_features])
+            self._loras[id(low_rank)] = lora
+            setattr(parent, name, UnmergedLinear(base, low_rank))
+
+    def _update(self, paths: list[str], loras: list[Any | None], outs: list[int]) -> LowRank:
+        placeholder = torch.empty(0, dtype=self.dtype, device=next(self.model.parameters()).device)
+        update = _Update(paths, loras, outs, LowRank(placeholder, placeholder))
+        self._updates.append(update)
+        return update.low_rank
+
+    def _fuse(self) -> None:
+        """With packed weights, let `decode_step` run each layer's q/k/v and gate/up as one packed
+        matmul plus one stacked update (as `fuse_projections` does for the merged copy), without a
+        stacked plain copy of the weights: only the packed layout is made."""
+        if not self.packed:
+            return
+        for index, layer in enumerate(self.model.model.layers):
+            for owner, names, key in (
+                (layer.self_attn, ("q_proj", "k_proj", "v_proj"), QKV),
+                (layer.mlp, ("gate_proj", "up_proj"), GATE_UP),
+            ):
+                prefix = f"model.layers.{index}.{'self_attn' if key == QKV else 'mlp'}"
+                linears = [getattr(owner, name) for name in names]
+                biases = [linear.bias for linear in linears]
+                if any(b is not None for b in biases) and not all(b is not None for b in biases):
+                    continue  # a mixed group runs as its modules
+                bias = None
+                if biases[0] is not None:
+                    sources = tuple(b for b in biases if b is not None)
+                    bias = torch.cat([b.detach() for b in sources])
+                    self._biases.append((sources, bias, tuple(_tensor_stamp(b) for b in sources)))
+                setattr(owner, key, (tuple(linear.weight for linear in linears), bias))
+                low_ranks = [getattr(linear, LOW_RANK, None) for linear in linears]
+                if any(low_rank is not None for low_rank in low_ranks):
+                    loras = [self._loras.get(id(low_rank)) for low_rank in low_ranks]
+                    outs = [linear.out_features for linear in linears]
+                    paths = [f"{prefix}.{name}" for name in names]
+                    setattr(owner, key + "_lora", self._update(paths, loras, outs))
+
+
+def _structure(model: nn.Module) -> tuple[Any, ...]:
+    return (id(model), tuple(model.peft_config) if peft_model_of(model) else ())  # type: ignore[arg-type]
