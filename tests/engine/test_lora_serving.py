@@ -173,3 +173,24 @@ async def test_the_engine_samples_the_same_tokens_unmerged_as_merged(tiny_model:
     finally:
         for engine in engines.values():
             engine.close()
+
+
+def test_base_weights_written_around_their_version_counters_are_packed_again_on_request(
+    tiny_model: LoadedModel,
+) -> None:
+    """A base weight written through `.data` (no version bump) keeps its stale packed copy until
+    `sync(base=True)` (what the engine's `weights_updated()` asks for), then decodes like peft."""
+    peft = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8), adapter_name="live").eval()
+    _trained(peft, seed=5)
+    served = UnmergedWeights(peft, "live", pack=True)
+    if not served.packed:
+        pytest.skip("this torch has no oneDNN packed float32 linear here")
+    _prefill_and_steps(served.model, peft)  # packs every base weight
+    q_proj = peft.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    version = q_proj.weight._version
+    q_proj.weight.data.copy_(q_proj.weight.data * -3.0)
+    assert q_proj.weight._version == version  # the write the counters miss
+    with pytest.raises(AssertionError):
+        _prefill_and_steps(served.model, peft)  # decode steps still multiply by the old packed weight
+    served.sync(peft, base=True)
+    _prefill_and_steps(served.model, peft)

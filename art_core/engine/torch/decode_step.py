@@ -92,21 +92,25 @@ def _fuse(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 class LowRank:
-    """`x -> (x @ down^T) @ up^T`: one LoRA adapter's update of a projection (or of a fused group of
-    them: `down` stacks their A matrices, `up` holds each one's scaled B on the block diagonal), the
-    scale folded into `up`. `lora_serving.UnmergedWeights` replaces the two tensors whenever the
-    adapter's weights change; every reader holds this object, so it sees the new ones."""
+    """`out += (x @ down^T) @ up^T`: one LoRA adapter's update of a projection (or of a fused group
+    of them: `down` stacks their A matrices, `up` holds each one's scaled B on the block diagonal),
+    the scale folded into `up`; both kept transposed ([in, rank], [rank, out]) so the update is one
+    small matmul and one in-place `addmm_` (measured ~25% faster than two `F.linear` and an add for
+    SmolLM2's q/k/v at 32 rows). `lora_serving.UnmergedWeights` replaces the two tensors whenever
+    the adapter's weights change; every reader holds this object, so it sees the new ones."""
 
-    __slots__ = ("down", "up")
+    __slots__ = ("down_t", "up_t")
 
-    def __init__(self, down: torch.Tensor, up: torch.Tensor) -> None:
-        self.down = down
-        """[rank, in]"""
-        self.up = up
-        """[out, rank]"""
+    def __init__(self, down_t: torch.Tensor, up_t: torch.Tensor) -> None:
+        self.down_t = down_t
+        """[in, rank]"""
+        self.up_t = up_t
+        """[rank, out]"""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.down), self.up)
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`out` (contiguous, [..., out]) plus the update of `x` ([..., in]), in place."""
+        out.view(-1, out.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]).mm(self.down_t), self.up_t)
+        return out
 
 
 Weight = torch.Tensor | tuple[torch.Tensor, ...]
@@ -460,9 +464,7 @@ def _linear(
             del plain  # a group's stacked copy: only its packed layout is kept
             entry = packs[id(weight)] = _Packed(weight, version, packed)
         out = torch.ops.mkldnn._linear_pointwise.default(x, entry.packed, bias, "none", [], "")
-    if lora is not None:
-        out += lora(x)
-    return out
+    return out if lora is None else lora.add_to(out, x)
 
 
 def _version(weight: Weight) -> int | tuple[int, ...]:

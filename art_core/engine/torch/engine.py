@@ -147,6 +147,7 @@ class TorchEngine:
         mib = config.prefix_cache_mib
         self._prefix = PrefixCache(mib * 2**20) if mib and self._serving is not None else None
         self._resync = False  # a full re-merge of the serving copy is due (set by resume, weights_updated)
+        self._rebase = False  # ...and its base weights may have been written too (weights_updated)
         self._threads = ThreadTuner.for_machine() if config.adapt_threads else None
         if torch.get_num_threads() > 1 and wait_policy() == "DEFAULT":
             logger.info(
@@ -358,7 +359,7 @@ class TorchEngine:
         torch (detected by version counters); for writes that bypass them, made while not paused.
         """
         with self._cond:
-            self._resync = self._serving is not None
+            self._resync = self._rebase = self._serving is not None
             self._cond.notify_all()
 
     @contextmanager
@@ -440,12 +441,13 @@ class TorchEngine:
                     if plan.queue is not None:
                         self._rows = deque(plan.queue)
                     force, self._resync = self._resync, False
+                    rebase, self._rebase = self._rebase, False
                     self._busy = True
                 pool = True
                 try:
                     for op, future in ops:
                         _run_op(op, future)
-                    self._sync_serving(force)
+                    self._sync_serving(force, rebase)
                     if plan.start:
                         self._run_batch(list(plan.start))
                 finally:
@@ -468,12 +470,13 @@ class TorchEngine:
         for _, future in ops:
             future.set_exception(exc)
 
-    def _sync_serving(self, force: bool) -> None:
-        """Bring the serving copy up to date (changed tensors only, or all if `force`); on the worker."""
+    def _sync_serving(self, force: bool, rebase: bool = False) -> None:
+        """Bring the serving copy up to date (changed tensors only, or all if `force`; `rebase`: the
+        base weights too, where the copy serves them as they are); on the worker."""
         if self._serving is None:
             return
         try:
-            self._serving.sync(self.model, force=force)
+            self._serving.sync(self.model, force=force, base=rebase)
         except Exception as exc:  # e.g. the served adapter was deleted; a half-written copy is never used
             level = logging.WARNING if isinstance(exc, UnsupportedAdapterError) else logging.ERROR
             logger.log(level, "dropped the merged serving copy (its rows now run through peft): %s", exc)

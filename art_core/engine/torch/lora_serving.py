@@ -33,6 +33,7 @@ from torch import nn
 from art_core.engine.torch.decode_step import (
     GATE_UP,
     LOW_RANK,
+    PACKED_WEIGHTS,
     QKV,
     LowRank,
     pack_weights,
@@ -66,7 +67,7 @@ class UnmergedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         low_rank: LowRank = getattr(self, LOW_RANK)
-        return F.linear(x, self.weight, self.bias) + low_rank(x)
+        return low_rank.add_to(F.linear(x, self.weight, self.bias), x)
 
 
 class _Update:
@@ -93,7 +94,7 @@ class _Update:
                 continue
             downs.append(lora.lora_A[adapter].weight.detach())
             ups.append(lora.lora_B[adapter].weight.detach().float() * lora.scaling[adapter])
-        dtype = self.low_rank.down.dtype
+        dtype = self.low_rank.down_t.dtype
         down = torch.cat(downs).to(dtype)
         up = torch.zeros((sum(self.outs), down.shape[0]), dtype=dtype, device=down.device)
         row = col = 0
@@ -104,7 +105,7 @@ class _Update:
                 up[row : row + out, col : col + block.shape[1]] = block
                 col += block.shape[1]
             row += out
-        self.low_rank.down, self.low_rank.up = down, up
+        self.low_rank.down_t, self.low_rank.up_t = down.t().contiguous(), up.t().contiguous()
 
 
 class UnmergedWeights:
@@ -146,11 +147,21 @@ class UnmergedWeights:
         """Bytes of the trainer's tensors the copy serves from (all of its parameters)."""
         self.sync(model)
 
-    def sync(self, model: nn.Module, force: bool = False) -> int:
+    def sync(self, model: nn.Module, force: bool = False, base: bool = False) -> int:
         """Refresh the LoRA updates whose adapter tensors changed (all if `force`); returns how many.
+
+        The base weights are the model's own, so they are always current; their packed copies
+        follow every write that bumps a version counter. `base`: they may have been written
+        around the counters (`param.data.copy_`; the engine's `weights_updated()`), so the packed
+        copies are dropped and made again on the next decode step (~0.5 s for SmolLM2-135M).
         Raises UnsupportedAdapterError if the adapter is gone or its LoRA layers were replaced."""
         if _structure(model) != self._structure:
             self._remap(model)
+        if base:
+            packs = getattr(self.model, PACKED_WEIGHTS, None)
+            if packs is not None:
+                packs.clear()
+            force = True
         started = time.perf_counter()
         written = 0
         with torch.no_grad():

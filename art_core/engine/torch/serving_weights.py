@@ -188,11 +188,12 @@ class MergedWeights:
         them and already in `dtype`: embeddings, norms, a head without an adapter)."""
         self.sync(model)
 
-    def sync(self, model: nn.Module, force: bool = False) -> int:
+    def sync(self, model: nn.Module, force: bool = False, base: bool = False) -> int:
         """Bring the copy up to date with `model`'s current weights; returns how many tensors changed.
 
-        Only tensors whose sources changed are rewritten, unless `force`. Raises
-        UnsupportedAdapterError if the adapter is gone or cannot be merged.
+        Only tensors whose sources changed are rewritten, unless `force` (which rewrites the base
+        weights' merged values too: `base` adds nothing here). Raises UnsupportedAdapterError if the
+        adapter is gone or cannot be merged.
         """
         started = time.perf_counter()
         structure = _structure_key(model)
