@@ -89,6 +89,8 @@ def worker_ours(args: argparse.Namespace) -> None:
     else:
         threads = f"{torch.get_num_threads()} (OMP wait {wait_policy().lower()})"
         serve_dtype = str(serving_model.dtype).removeprefix("torch.") if serving_model is not None else "peft"
+        if getattr(first, "serves_unmerged", False):
+            serve_dtype += ", LoRA unmerged"
     emit(
         "ready",
         {

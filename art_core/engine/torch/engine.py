@@ -45,6 +45,7 @@ from art_core.engine.protocol import Completion
 from art_core.engine.sampling import row_seed
 from art_core.engine.torch.adapters import Adapters, modes_kept
 from art_core.engine.torch.decoding import DecodeBatch, RowState
+from art_core.engine.torch.lora_serving import UnmergedWeights
 from art_core.engine.torch.prefix_cache import PrefixCache
 from art_core.engine.torch.scheduler import Gate, Lane, LanePlan, Scheduler, Serving
 from art_core.engine.torch.serving_weights import UnsupportedAdapterError, peft_model_of, serving_copy
@@ -169,6 +170,12 @@ class TorchEngine:
     def serving_model(self) -> Any | None:
         """The merged serving copy's plain model (None without one), for inspection and benchmarks."""
         return self._serving.model if self._serving is not None else None
+
+    @property
+    def serves_unmerged(self) -> bool:
+        """Whether the serving copy is the unmerged one (`lora_serving`: the trainer's base weights
+        plus the LoRA update) rather than a merged copy."""
+        return isinstance(self._serving, UnmergedWeights)
 
     @property
     def served_adapter(self) -> str | None:
