@@ -194,3 +194,18 @@ def test_base_weights_written_around_their_version_counters_are_packed_again_on_
         _prefill_and_steps(served.model, peft)  # decode steps still multiply by the old packed weight
     served.sync(peft, base=True)
     _prefill_and_steps(served.model, peft)
+
+
+def test_an_adapter_on_some_projections_of_a_fused_group_decodes_like_peft(tiny_model: LoadedModel) -> None:
+    """LoRA on q and v but not k (the group's update has an empty block for k), and on down but not
+    gate/up (that group runs its packed base alone)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    peft = get_peft_model(copy.deepcopy(tiny_model.model), config, adapter_name="live").eval()
+    _trained(peft, seed=6)
+    served = UnmergedWeights(peft, "live", pack=True)
+    attn = served.model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, UnmergedLinear) and not isinstance(attn.k_proj, UnmergedLinear)
+    assert not hasattr(served.model.model.layers[0].mlp, "art_gate_up_lora")
+    _prefill_and_steps(served.model, peft)

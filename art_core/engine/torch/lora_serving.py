@@ -86,34 +86,29 @@ class _Update:
         return stamp
 
     def refresh(self, adapter: str) -> None:
-        """`down` = the A matrices stacked; `up` = each scaled B on the block diagonal (float32 math,
-        cast to the base weights' dtype)."""
-        downs, ups = [], []
-        for lora in self.loras:
-            if lora is None:
-                continue
-            downs.append(lora.lora_A[adapter].weight.detach())
-            ups.append(lora.lora_B[adapter].weight.detach().float() * lora.scaling[adapter])
+        """`down_t` = the A matrices stacked, transposed; `up_t` = each scaled B, transposed, on the
+        block diagonal (the scale applied in float32, then cast to the base weights' dtype)."""
         dtype = self.low_rank.down_t.dtype
-        down = torch.cat(downs).to(dtype)
-        up = torch.zeros((sum(self.outs), down.shape[0]), dtype=dtype, device=down.device)
-        row = col = 0
-        ups_left = iter(ups)
-        for lora, out in zip(self.loras, self.outs, strict=True):
+        downs = [lora.lora_A[adapter].weight.detach() for lora in self.loras if lora is not None]
+        down_t = torch.cat(downs).to(dtype).t().contiguous()
+        up_t = torch.zeros((down_t.shape[1], sum(self.outs)), dtype=dtype, device=down_t.device)
+        rank = out = 0
+        for lora, width in zip(self.loras, self.outs, strict=True):
             if lora is not None:
-                block = next(ups_left)
-                up[row : row + out, col : col + block.shape[1]] = block
-                col += block.shape[1]
-            row += out
-        self.low_rank.down_t, self.low_rank.up_t = down.t().contiguous(), up.t().contiguous()
+                block = lora.lora_B[adapter].weight.detach().float() * lora.scaling[adapter]
+                up_t[rank : rank + block.shape[1], out : out + width] = block.t()
+                rank += block.shape[1]
+            out += width
+        self.low_rank.down_t, self.low_rank.up_t = down_t, up_t
 
 
 class UnmergedWeights:
     """`model`'s base weights (shared) plus `adapter`'s LoRA update, unmerged; see the module docstring.
 
-    Raises UnsupportedAdapterError where this cannot serve the adapter exactly (then use
-    `MergedWeights`): a dtype other than the model's, LoRA on anything but a linear layer, or an
-    architecture `decode_step` does not run.
+    Serves in the model's own dtype. Raises UnsupportedAdapterError where it cannot serve the
+    adapter exactly (then use `MergedWeights`): LoRA on anything but a plain linear layer (DoRA,
+    LoRA biases, variants, embeddings), tensors of more than one dtype, or an architecture
+    `decode_step` does not run.
     """
 
     def __init__(
