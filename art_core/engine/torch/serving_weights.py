@@ -102,7 +102,14 @@ def serving_copy(
         return None
     device = next(model.parameters()).device
     packed = packable(dtype, device, None if pack == "head" else pack)
-    if adapter is not None and dtype == model_dtype(model) and (unmerged or (unmerged is None and packed)):
+    if unmerged and (adapter is None or dtype != model_dtype(model)):
+        logger.warning(
+            "serve_unmerged needs an adapter served in the model's own dtype (%s, not %s): serving %s merged",
+            model_dtype(model),
+            dtype,
+            target,
+        )
+    elif adapter is not None and dtype == model_dtype(model) and (unmerged or (unmerged is None and packed)):
         try:
             unmerged_copy = UnmergedWeights(model, adapter, pack=pack)
         except UnsupportedAdapterError as exc:
