@@ -12,7 +12,8 @@ from art_core.engine.torch.decode_step import PACKED_WEIGHTS, decode_step
 from art_core.engine.torch.engine import EngineConfig, TorchEngine
 from art_core.engine.torch.kv_cache import growing_cache
 from art_core.engine.torch.lora_serving import UnmergedLinear, UnmergedWeights
-from art_core.engine.torch.serving_weights import MergedWeights, UnsupportedAdapterError, serving_copy
+from art_core.engine.torch.serving_copy import serving_copy
+from art_core.engine.torch.serving_weights import MergedWeights, UnsupportedAdapterError
 from art_core.models.hardware import cpu_has_native_bf16
 from art_core.models.loading import LoadedModel
 from art_core.training.config import LoRAConfig

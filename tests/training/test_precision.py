@@ -167,12 +167,13 @@ def test_the_auto_serving_copy_is_bf16_exactly_where_bf16_is_native(
     tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
     from art_core.engine.torch import serving_weights
+    from art_core.engine.torch.serving_copy import serving_copy
     from art_core.training.config import LoRAConfig
     from art_core.training.lora import attach_lora
 
     monkeypatch.setattr(serving_weights, "cpu_has_native_bf16", lambda: native)
     peft = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8))
-    merged = serving_weights.serving_copy(peft, "default", "auto")
+    merged = serving_copy(peft, "default", "auto")
     assert merged is not None
     assert next(merged.model.parameters()).dtype == (torch.bfloat16 if native else torch.float32)
 

@@ -48,7 +48,8 @@ from art_core.engine.torch.decoding import DecodeBatch, RowState
 from art_core.engine.torch.lora_serving import UnmergedWeights
 from art_core.engine.torch.prefix_cache import PrefixCache
 from art_core.engine.torch.scheduler import Gate, Lane, LanePlan, Scheduler, Serving
-from art_core.engine.torch.serving_weights import UnsupportedAdapterError, peft_model_of, serving_copy
+from art_core.engine.torch.serving_copy import serving_copy
+from art_core.engine.torch.serving_weights import UnsupportedAdapterError, peft_model_of
 from art_core.engine.torch.streaming import DeltaChannel, TokenStream
 from art_core.engine.torch.threads import ThreadTuner, apply
 
