@@ -64,8 +64,9 @@ class EngineConfig:
     batch_wait_max_s: float = 0.05
     """...but starts at most this long after the worker saw its first request."""
     merged_serving: bool = True
-    """Decode the served adapter's rows on a copy of the weights with that adapter merged in (fast);
-    False runs every row through the model as given (peft's per-row adapter path: slow, no extra memory)."""
+    """Decode the served adapter's rows on a serving copy: the weights with that adapter merged in,
+    or the base weights plus its update unmerged (`serve_unmerged`); fast. False runs every row
+    through the model as given (peft's per-row adapter path: slow, no extra memory)."""
     serve_adapter: str | None = None
     """The adapter merged into the serving copy: None = the peft model's active adapter when the engine
     starts (the trainer's), "__base__" = the base model (also what a plain model serves)."""
