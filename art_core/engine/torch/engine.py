@@ -169,7 +169,7 @@ class TorchEngine:
 
     @property
     def serving_model(self) -> Any | None:
-        """The merged serving copy's plain model (None without one), for inspection and benchmarks."""
+        """The serving copy's plain model, merged or unmerged (None without one), for inspection and benchmarks."""
         return self._serving.model if self._serving is not None else None
 
     @property

@@ -42,14 +42,14 @@ from art_core.engine.torch.decode_step import (
 from art_core.engine.torch.serving_weights import (
     Stamp,
     UnsupportedAdapterError,
-    _check_plain_lora,
-    _lora_tensors,
-    _resolve,
-    _skeleton,
-    _tensor_stamp,
     base_model_of,
+    check_plain_lora,
+    lora_tensors,
     model_dtype,
     peft_model_of,
+    resolve_base,
+    skeleton,
+    tensor_stamp,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class _Update:
         for lora in self.loras:
             if lora is not None:
                 stamp += (lora.scaling.get(adapter),)
-                stamp += tuple(_tensor_stamp(t) for t in _lora_tensors(lora, adapter))
+                stamp += tuple(tensor_stamp(t) for t in lora_tensors(lora, adapter))
         return stamp
 
     def refresh(self, adapter: str) -> None:
@@ -123,7 +123,7 @@ class UnmergedWeights:
         self.adapter = adapter
         self.dtype = model_dtype(model)
         source_root = base_model_of(model)
-        self.model: Any = _skeleton(source_root, self.dtype)
+        self.model: Any = skeleton(source_root, self.dtype)
         if not supports_decode_step(self.model):
             raise UnsupportedAdapterError(f"{type(self.model).__name__} has no unmerged decode step")
         self._updates: list[_Update] = []
@@ -161,7 +161,7 @@ class UnmergedWeights:
         written = 0
         with torch.no_grad():
             for index, (sources, stacked, stamp) in enumerate(self._biases):
-                current = tuple(_tensor_stamp(b) for b in sources)
+                current = tuple(tensor_stamp(b) for b in sources)
                 if (
                     force or current != stamp
                 ):  # base biases are frozen under LoRA; a user may still write them
@@ -183,7 +183,7 @@ class UnmergedWeights:
         """Whether `sync` would refresh anything; changes nothing."""
         if _structure(model) != self._structure:
             return True
-        if any(tuple(_tensor_stamp(b) for b in sources) != stamp for sources, _, stamp in self._biases):
+        if any(tuple(tensor_stamp(b) for b in sources) != stamp for sources, _, stamp in self._biases):
             return True
         return any(update.current(self.adapter) != update.stamp for update in self._updates)
 
@@ -195,7 +195,7 @@ class UnmergedWeights:
         root = base_model_of(model)
         for update in self._updates:
             for path, lora in zip(update.paths, update.loras, strict=True):
-                if lora is not None and _resolve(root, path, self.adapter)[1] is not lora:
+                if lora is not None and resolve_base(root, path, self.adapter)[1] is not lora:
                     raise UnsupportedAdapterError(
                         f"the LoRA layer at {path} was replaced since the copy was made"
                     )
@@ -207,7 +207,7 @@ class UnmergedWeights:
         swap: dict[int, torch.Tensor] = {}
         adapted: list[tuple[str, nn.Linear, Any]] = []
         for path, module in self.model.named_modules(remove_duplicate=False):
-            source_module, lora = _resolve(source_root, path, self.adapter)
+            source_module, lora = resolve_base(source_root, path, self.adapter)
             for name, dest in [
                 *module.named_parameters(recurse=False, remove_duplicate=False),
                 *module.named_buffers(recurse=False, remove_duplicate=False),
@@ -223,7 +223,7 @@ class UnmergedWeights:
                     )
                 swap[id(dest)] = source
             if lora is not None:
-                _check_plain_lora(lora, self.adapter)
+                check_plain_lora(lora, self.adapter)
                 if not isinstance(source_module, nn.Linear) or lora.fan_in_fan_out:
                     raise UnsupportedAdapterError(
                         f"LoRA on {path} ({type(source_module).__name__}) is not a plain linear one"
@@ -267,7 +267,7 @@ class UnmergedWeights:
                 if biases[0] is not None:
                     sources = tuple(b for b in biases if b is not None)
                     bias = torch.cat([b.detach() for b in sources])
-                    self._biases.append((sources, bias, tuple(_tensor_stamp(b) for b in sources)))
+                    self._biases.append((sources, bias, tuple(tensor_stamp(b) for b in sources)))
                 setattr(owner, key, (tuple(linear.weight for linear in linears), bias))
                 low_ranks = [getattr(linear, LOW_RANK, None) for linear in linears]
                 if any(low_rank is not None for low_rank in low_ranks):

@@ -111,7 +111,7 @@ class MergedWeights:
             raise ValueError(f"the serving dtype must be a floating-point dtype, got {dtype}")
         self.adapter = adapter
         self.dtype = dtype
-        self.model = _skeleton(base_model_of(model), dtype)
+        self.model = skeleton(base_model_of(model), dtype)
         fuse_projections(self.model)  # before the merge map: it must point at the fused buffers
         pack_weights(self.model, pack)
         self._structure: tuple[Any, ...] | None = None
@@ -207,7 +207,7 @@ class MergedWeights:
             ]
             if not tensors:
                 continue
-            source_module, lora = _resolve(source_root, path, self.adapter)
+            source_module, lora = resolve_base(source_root, path, self.adapter)
             for name, dest in tensors:
                 source = getattr(source_module, name, None)
                 if not isinstance(source, torch.Tensor) or source.shape != dest.shape:
@@ -241,7 +241,7 @@ def _whole(tensor: torch.Tensor) -> bool:
     )
 
 
-def _skeleton(base: nn.Module, dtype: torch.dtype) -> nn.Module:
+def skeleton(base: nn.Module, dtype: torch.dtype) -> nn.Module:
     """An uninitialised model of `base`'s class and config in `dtype`, in eval mode, without grads."""
     from transformers.initialization import no_init_weights
 
@@ -249,19 +249,19 @@ def _skeleton(base: nn.Module, dtype: torch.dtype) -> nn.Module:
     if from_config is None:
         raise UnsupportedAdapterError(f"{type(base).__name__} is not a transformers model")
     with no_init_weights():
-        skeleton = from_config(copy.deepcopy(base.config), dtype=dtype)  # the copy: it sets config.dtype
-    if hasattr(skeleton, "tie_weights"):
-        skeleton.tie_weights()
+        empty = from_config(copy.deepcopy(base.config), dtype=dtype)  # the copy: it sets config.dtype
+    if hasattr(empty, "tie_weights"):
+        empty.tie_weights()
     if hasattr(base, "generation_config"):
-        skeleton.generation_config = copy.deepcopy(base.generation_config)
+        empty.generation_config = copy.deepcopy(base.generation_config)
     device = next(base.parameters()).device
-    skeleton.to(device)
-    skeleton.eval()
-    skeleton.requires_grad_(False)
-    return skeleton
+    empty.to(device)
+    empty.eval()
+    empty.requires_grad_(False)
+    return empty
 
 
-def _resolve(root: nn.Module, path: str, adapter: str | None) -> tuple[nn.Module, Any | None]:
+def resolve_base(root: nn.Module, path: str, adapter: str | None) -> tuple[nn.Module, Any | None]:
     """The module of `root` at `path` seen without peft: its base layer, and the LoRA layer wrapping it."""
     module = _unwrap(root, adapter)[0]
     lora = None
@@ -294,14 +294,14 @@ def _unwrap(module: nn.Module, adapter: str | None) -> tuple[nn.Module, Any | No
                 if adapter is not None and adapter in getattr(module, "active_adapters", ()):
                     raise UnsupportedAdapterError(f"{type(module).__name__} is not a LoRA layer")
             elif adapter is not None and (adapter in module.lora_A or adapter in module.lora_embedding_A):
-                _check_plain_lora(module, adapter)
+                check_plain_lora(module, adapter)
                 lora = module
             module = module.base_layer  # type: ignore[assignment]
         else:
             return module, lora
 
 
-def _check_plain_lora(layer: Any, adapter: str) -> None:
+def check_plain_lora(layer: Any, adapter: str) -> None:
     from peft.tuners.lora import layer as lora_layers
 
     if not isinstance(layer, lora_layers.Linear | lora_layers.Embedding):
@@ -313,7 +313,7 @@ def _check_plain_lora(layer: Any, adapter: str) -> None:
         raise UnsupportedAdapterError(f"adapter {adapter!r} is a LoRA variant, which this copy cannot merge")
 
 
-def _lora_tensors(layer: Any, adapter: str) -> list[torch.Tensor]:
+def lora_tensors(layer: Any, adapter: str) -> list[torch.Tensor]:
     tensors: list[torch.Tensor] = []
     for attr in layer.adapter_layer_names:
         container = getattr(layer, attr, None)
@@ -324,17 +324,17 @@ def _lora_tensors(layer: Any, adapter: str) -> list[torch.Tensor]:
     return tensors
 
 
-def _tensor_stamp(tensor: torch.Tensor) -> Stamp:
+def tensor_stamp(tensor: torch.Tensor) -> Stamp:
     return (id(tensor), tensor.data_ptr(), tensor._version)
 
 
 def _stamp(entry: _Entry, adapter: str | None) -> Stamp:
     """What `dest` depends on: source tensors' identity, storage and version, and the LoRA scale."""
-    stamp = _tensor_stamp(entry.source)
+    stamp = tensor_stamp(entry.source)
     if entry.lora is not None and adapter is not None:
         stamp += (entry.lora.scaling.get(adapter),)
-        for tensor in _lora_tensors(entry.lora, adapter):
-            stamp += _tensor_stamp(tensor)
+        for tensor in lora_tensors(entry.lora, adapter):
+            stamp += tensor_stamp(tensor)
     return stamp
 
 
