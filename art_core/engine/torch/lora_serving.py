@@ -49,6 +49,8 @@ from art_core.engine.torch.serving_weights import (
     peft_model_of,
     resolve_base,
     skeleton,
+    structure_key,
+    swap_tensors,
     tensor_stamp,
 )
 
@@ -135,7 +137,7 @@ class UnmergedWeights:
         self.packed = pack_weights(self.model, None if pack == "head" else pack)
         """Whether decode steps multiply by packed copies of the base weights (else plain `F.linear`)."""
         self._fuse()
-        self._structure = _structure(model)
+        self._structure = structure_key(model)
         self.merges = 0
         """How many times `sync` refreshed at least one update (the prefix cache's weight version)."""
         self.shared_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -150,7 +152,7 @@ class UnmergedWeights:
         around the counters (`param.data.copy_`; the engine's `weights_updated()`), so the packed
         copies are dropped and made again on the next decode step (~0.5 s for SmolLM2-135M).
         Raises UnsupportedAdapterError if the adapter is gone or its LoRA layers were replaced."""
-        if _structure(model) != self._structure:
+        if structure_key(model) != self._structure:
             self._remap(model)
         if base:
             packs = getattr(self.model, PACKED_WEIGHTS, None)
@@ -181,7 +183,7 @@ class UnmergedWeights:
 
     def stale(self, model: nn.Module) -> bool:
         """Whether `sync` would refresh anything; changes nothing."""
-        if _structure(model) != self._structure:
+        if structure_key(model) != self._structure:
             return True
         if any(tuple(tensor_stamp(b) for b in sources) != stamp for sources, _, stamp in self._biases):
             return True
@@ -199,7 +201,7 @@ class UnmergedWeights:
                     raise UnsupportedAdapterError(
                         f"the LoRA layer at {path} was replaced since the copy was made"
                     )
-        self._structure = _structure(model)
+        self._structure = structure_key(model)
 
     def _share(self, source_root: nn.Module) -> None:
         """Point every tensor of the skeleton at the source's base tensor, and replace each linear
@@ -229,11 +231,7 @@ class UnmergedWeights:
                         f"LoRA on {path} ({type(source_module).__name__}) is not a plain linear one"
                     )
                 adapted.append((path, source_module, lora))
-        for module in self.model.modules():
-            for store in (module._parameters, module._buffers):
-                for name, tensor in store.items():
-                    if tensor is not None and id(tensor) in swap:
-                        store[name] = swap[id(tensor)]  # type: ignore[assignment]
+        swap_tensors(self.model, swap)
         for path, base, lora in adapted:
             parent_path, _, name = path.rpartition(".")
             parent = self.model.get_submodule(parent_path)
@@ -275,7 +273,3 @@ class UnmergedWeights:
                     outs = [linear.out_features for linear in linears]
                     paths = [f"{prefix}.{name}" for name in names]
                     setattr(owner, key + "_lora", self._update(paths, loras, outs))
-
-
-def _structure(model: nn.Module) -> tuple[Any, ...]:
-    return (id(model), tuple(model.peft_config) if peft_model_of(model) else ())  # type: ignore[arg-type]

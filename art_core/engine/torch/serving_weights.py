@@ -131,7 +131,7 @@ class MergedWeights:
         adapter is gone or cannot be merged.
         """
         started = time.perf_counter()
-        structure = _structure_key(model)
+        structure = structure_key(model)
         if structure != self._structure:
             self._entries = self._share(self._map(model))
             self._structure = structure
@@ -156,7 +156,7 @@ class MergedWeights:
     def stale(self, model: nn.Module) -> bool:
         """Whether `sync` would rewrite anything (`model`'s weights changed through torch since the
         last sync); writes nothing. About a millisecond for SmolLM2's ~270 tensors."""
-        if _structure_key(model) != self._structure:
+        if structure_key(model) != self._structure:
             return True
         return any(_stamp(entry, self.adapter) != entry.stamp for entry in self._entries.values())
 
@@ -177,14 +177,7 @@ class MergedWeights:
                 swap[id(dest)] = source
             elif dest is not source:
                 kept[key] = entry
-        for module in self.model.modules():
-            for store in (module._parameters, module._buffers):
-                for name, tensor in store.items():
-                    if tensor is not None and id(tensor) in swap:
-                        source = swap[id(tensor)]
-                        if isinstance(tensor, nn.Parameter) and not isinstance(source, nn.Parameter):
-                            source = nn.Parameter(source, requires_grad=False)
-                        store[name] = source  # type: ignore[assignment]  # a buffer store holds plain tensors
+        swap_tensors(self.model, swap)
         self.shared_bytes += sum(
             t.untyped_storage().nbytes() for t in {id(t): t for t in swap.values()}.values()
         )
@@ -373,7 +366,20 @@ def _merged_value(entry: _Entry, adapter: str | None) -> torch.Tensor:
     return entry.source.float() + delta.float()
 
 
-def _structure_key(model: nn.Module) -> tuple[Any, ...]:
+def swap_tensors(model: nn.Module, swap: dict[int, torch.Tensor]) -> None:
+    """Replace each parameter or buffer of `model` whose id is a key of `swap` by its value there
+    (tied tensors together: every module holding it); a parameter stays a parameter."""
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, tensor in store.items():
+                if tensor is not None and id(tensor) in swap:
+                    source = swap[id(tensor)]
+                    if isinstance(tensor, nn.Parameter) and not isinstance(source, nn.Parameter):
+                        source = nn.Parameter(source, requires_grad=False)
+                    store[name] = source  # type: ignore[assignment]  # a buffer store holds plain tensors
+
+
+def structure_key(model: nn.Module) -> tuple[Any, ...]:
     """Changes when the module tree may have changed (a model wrapped by peft, adapters added or removed)."""
     adapters = tuple(model.peft_config) if peft_model_of(model) else ()  # type: ignore[arg-type]
     return (id(model), adapters)
