@@ -162,11 +162,10 @@ class UnmergedWeights:
         started = time.perf_counter()
         written = 0
         with torch.no_grad():
+            # base biases are frozen under LoRA; a user may still write them
             for index, (sources, stacked, stamp) in enumerate(self._biases):
                 current = tuple(tensor_stamp(b) for b in sources)
-                if (
-                    force or current != stamp
-                ):  # base biases are frozen under LoRA; a user may still write them
+                if force or current != stamp:
                     stacked.copy_(torch.cat(sources))
                     self._biases[index] = (sources, stacked, current)
                     written += 1
