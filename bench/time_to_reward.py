@@ -10,7 +10,8 @@ step's mean reward first reaches `--target` (0.8), with `--max-steps` (30) at mo
 the median over seeds.
 
 - ours: `run_demo` itself (the in-process server, the `openai` client, TorchEngine rollouts, the
-  trainer, a checkpoint per step), scenario order seeded by the seed.
+  trainer, a checkpoint per step), the scenario order and every rollout's sampling seeded by the
+  seed (`DemoConfig.seed`), as TRL's `seed` seeds its order and sampling.
 - trl: `GRPOTrainer` (TRL 1.x) on the same prompts: 32 completions per step (`num_generations` 8),
   `max_completion_length` 24, temperature 1.0, no KL (`beta` 0), PPO clip 0.2, and the settings that
   let it learn on CPU (shared/reference environment notes, section 4): `lr_scheduler_type="constant"`

@@ -50,6 +50,7 @@ def demo(
     path: Annotated[Path, typer.Option(help="Where checkpoints and history go.")] = Path(".art"),
     name: Annotated[str, typer.Option(help="Model name (resumes if it exists).")] = "demo-001",
     plot: Annotated[Path, typer.Option(help="Reward-curve PNG to write.")] = Path("demo_reward.png"),
+    seed: Annotated[int, typer.Option(help="Seed of the scenario order and of the rollouts' sampling.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="End with a one-line JSON summary.")] = False,
 ) -> None:
     """Train SmolLM2-135M-Instruct (on CPU) to recommend bananas, and show the reward rise."""
@@ -69,6 +70,7 @@ def demo(
         learning_rate=learning_rate,
         path=path,
         name=name,
+        seed=seed,
     )
     with Progress(
         TextColumn("[bold]art demo"),

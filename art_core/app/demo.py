@@ -44,13 +44,15 @@ def reward(reply: str) -> float:
     return 1.0 if "banana" in reply.lower() else 0.0
 
 
-async def rollout(model: TrainableModel, scenario: str, max_tokens: int) -> Trajectory:
-    """One conversation with the model being trained, scored by `reward`."""
+async def rollout(
+    model: TrainableModel, scenario: str, max_tokens: int, seed: int | None = None
+) -> Trajectory:
+    """One conversation with the model being trained, scored by `reward`; `seed` seeds its sampling."""
     started = time.time()  # the trajectory's start: its step's `time/rollout_s` counts from the earliest
     client = model.openai_client()
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": scenario}]
     completion = await client.chat.completions.create(
-        model=model.get_inference_name(), messages=messages, max_tokens=max_tokens, temperature=1.0
+        model=model.get_inference_name(), messages=messages, max_tokens=max_tokens, temperature=1.0, seed=seed
     )
     choice = completion.choices[0]
     return Trajectory(
@@ -84,7 +86,8 @@ class DemoConfig:
     name: str = "demo-001"
     """The model's name (a folder under `<path>/demo/models/`)."""
     seed: int = 0
-    """Seed of the scenario order."""
+    """Seed of the scenario order and of every rollout's sampling (`rollout_seed`): two runs with
+    the same seed draw the same replies for as long as their weights are the same."""
 
     def __post_init__(self) -> None:
         for field_name in ("steps", "scenarios_per_step", "group_size", "max_tokens", "lora_rank"):
@@ -146,6 +149,15 @@ def describe_split(split: Mapping[str, float]) -> str:
     return f"per step: {', '.join(parts)}; train call {split.get('step', 0.0):.2f} s"
 
 
+def rollout_seed(seed: int, step: int, group: int, index: int) -> int:
+    """The sampling seed of rollout `index` of group `group` at step `step` of a run seeded `seed`:
+    distinct for every rollout of a run, the same for the same rollout of another run."""
+    mixed = seed
+    for part in (step, group, index):
+        mixed = (mixed * 0x9E3779B97F4A7C15 + part + 1) % 2**63
+    return mixed
+
+
 StepCallback = Callable[[int, float, float], None]
 """Called after each step with (step index, mean reward, seconds so far)."""
 
@@ -184,8 +196,11 @@ async def run_demo(config: DemoConfig, on_step: StepCallback | None = None) -> D
                 break
             groups = await gather_trajectory_groups(
                 (
-                    TrajectoryGroup(rollout(model, s, config.max_tokens) for _ in range(config.group_size))
-                    for s in batch.items
+                    TrajectoryGroup(
+                        rollout(model, s, config.max_tokens, rollout_seed(config.seed, batch.step, g, i))
+                        for i in range(config.group_size)
+                    )
+                    for g, s in enumerate(batch.items)
                 ),
                 pbar=False,
             )
