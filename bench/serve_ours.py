@@ -53,7 +53,8 @@ def worker_ours(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
-    config = EngineConfig(serve_dtype=dtype_of(args.dtype))
+    unmerged = {"auto": None, "merged": False, "unmerged": True}[args.serving_copy]
+    config = EngineConfig(serve_dtype=dtype_of(args.dtype), serve_unmerged=unmerged)
     processes = args.replica_mode == "process"
     serving = TorchServing(engine_config=config, replicas=args.replicas, replica_processes=processes)
     backend = LocalBackend(work / "art", serving=serving)
@@ -127,7 +128,8 @@ def start_ours(
     or threads: `mode`), up and serving the live adapter; `work` is its own folder (its model
     storage, adapter and log)."""
     work.mkdir(parents=True, exist_ok=True)
-    proc = start_worker("ours", args, work, ["--replicas", str(replicas), "--replica-mode", mode])
+    extra = ["--replicas", str(replicas), "--replica-mode", mode, "--serving-copy", args.serving_copy]
+    proc = start_worker("ours", args, work, extra)
     try:
         ready = read_marked(proc, "ready")
     except RuntimeError as exc:

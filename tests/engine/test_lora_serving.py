@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from art_core.engine.torch.decode_step import PACKED_WEIGHTS, decode_step
+from art_core.engine.torch.decode_step import GATE_UP, LOW_RANK, PACKED_WEIGHTS, QKV, decode_step
 from art_core.engine.torch.engine import EngineConfig, TorchEngine
 from art_core.engine.torch.kv_cache import growing_cache
 from art_core.engine.torch.lora_serving import UnmergedLinear, UnmergedWeights
@@ -106,6 +106,31 @@ def test_the_unmerged_copy_holds_no_copy_of_the_trainers_weights(tiny_model: Loa
     assert q_proj.weight is peft.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
     assert {name for name, p in peft.named_parameters() if p.requires_grad} == trainable
     assert all(m.training for m in peft.modules()) and not served.model.training  # its eval mode is its own
+
+
+def test_a_fused_groups_projections_update_through_views_of_its_stacked_update(
+    tiny_model: LoadedModel,
+) -> None:
+    """Packed: q/k/v's and gate/up's own updates (prefill's modules) are views of the group's
+    stacked one (the decode step's), so a sync copies each adapter tensor once; both follow a step."""
+    peft = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8), adapter_name="live").eval()
+    served = UnmergedWeights(peft, "live", pack=True)
+    if not served.packed:
+        pytest.skip("this torch has no oneDNN packed float32 linear here")
+    layers = served.model.model.layers
+    groups = [(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in layers]
+    groups += [(layer.mlp, ("gate_proj", "up_proj")) for layer in layers]
+    for owner, names in groups:
+        stacked = getattr(owner, (QKV if "q_proj" in names else GATE_UP) + "_lora")
+        for name in names:
+            part = getattr(getattr(owner, name), LOW_RANK)
+            for mine, theirs in ((part.down_t, stacked.down_t), (part.up_t, stacked.up_t)):
+                assert mine.untyped_storage().data_ptr() == theirs.untyped_storage().data_ptr()
+    adapted = sum(1 for module in served.model.modules() if isinstance(module, UnmergedLinear))
+    _trained(peft, seed=3)
+    # one refresh per fused group and per other adapted projection (o_proj, down_proj)
+    assert served.sync(peft) == len(groups) + adapted - 3 * len(layers) - 2 * len(layers)
+    _prefill_and_steps(served.model, peft)
 
 
 def test_the_auto_choice_serves_unmerged_exactly_where_float32_is_packed(tiny_model: LoadedModel) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -73,10 +74,15 @@ class UnmergedLinear(nn.Module):
 
 
 class _Update:
-    """Where one `LowRank` comes from: the LoRA layers of its projections (None: no LoRA there)."""
+    """Where one `LowRank` comes from: the LoRA layers of its projections (None: no LoRA there).
+
+    `parts`: for a fused group, each projection's own `LowRank` (None where it has no LoRA), which
+    `refresh` points at views of the stacked tensors, so a group's A and B are copied once, not
+    once for the decode step and again for prefill's modules."""
 
     def __init__(self, paths: list[str], loras: list[Any | None], outs: list[int], low_rank: LowRank) -> None:
         self.paths, self.loras, self.outs, self.low_rank = paths, loras, outs, low_rank
+        self.parts: list[LowRank | None] = []
         self.stamp: Stamp | None = None
 
     def current(self, adapter: str) -> Stamp:
@@ -95,10 +101,14 @@ class _Update:
         down_t = torch.cat(downs).to(dtype).t().contiguous()
         up_t = torch.zeros((down_t.shape[1], sum(self.outs)), dtype=dtype, device=down_t.device)
         rank = out = 0
-        for lora, width in zip(self.loras, self.outs, strict=True):
+        for index, (lora, width) in enumerate(zip(self.loras, self.outs, strict=True)):
             if lora is not None:
                 block = lora.lora_B[adapter].weight.detach().float() * lora.scaling[adapter]
                 up_t[rank : rank + block.shape[1], out : out + width] = block.t()
+                part = self.parts[index] if self.parts else None
+                if part is not None:
+                    part.down_t = down_t[:, rank : rank + block.shape[1]]
+                    part.up_t = up_t[rank : rank + block.shape[1], out : out + width]
                 rank += block.shape[1]
             out += width
         self.low_rank.down_t, self.low_rank.up_t = down_t, up_t
@@ -238,16 +248,25 @@ class UnmergedWeights:
             self._loras[id(low_rank)] = lora
             setattr(parent, name, UnmergedLinear(base, low_rank))
 
-    def _update(self, paths: list[str], loras: list[Any | None], outs: list[int]) -> LowRank:
+    def _update(
+        self, paths: list[str], loras: list[Any | None], outs: list[int], parts: Sequence[LowRank | None] = ()
+    ) -> LowRank:
+        """A new update of `paths`; with `parts` (a fused group's projections' own updates), it
+        refreshes them as views of its tensors and they are no longer refreshed by themselves."""
         placeholder = torch.empty(0, dtype=self.dtype, device=next(self.model.parameters()).device)
         update = _Update(paths, loras, outs, LowRank(placeholder, placeholder))
+        if parts:
+            update.parts = list(parts)
+            absorbed = {id(part) for part in parts if part is not None}
+            self._updates = [u for u in self._updates if id(u.low_rank) not in absorbed]
         self._updates.append(update)
         return update.low_rank
 
     def _fuse(self) -> None:
         """With packed weights, let `decode_step` run each layer's q/k/v and gate/up as one packed
         matmul plus one stacked update (as `fuse_projections` does for the merged copy), without a
-        stacked plain copy of the weights: only the packed layout is made."""
+        stacked plain copy of the weights: only the packed layout is made. The projections' own
+        updates (prefill runs through their modules) become views of the stacked one."""
         if not self.packed:
             return
         for index, layer in enumerate(self.model.model.layers):
@@ -271,4 +290,4 @@ class UnmergedWeights:
                     loras = [self._loras.get(id(low_rank)) for low_rank in low_ranks]
                     outs = [linear.out_features for linear in linears]
                     paths = [f"{prefix}.{name}" for name in names]
-                    setattr(owner, key + "_lora", self._update(paths, loras, outs))
+                    setattr(owner, key + "_lora", self._update(paths, loras, outs, parts=low_ranks))
