@@ -16,6 +16,7 @@ from art_core._lazy import lazy_exports
 if TYPE_CHECKING:
     from art_core.models.chat_template import render_prompt as render_prompt
     from art_core.models.loading import LoadedModel as LoadedModel
+    from art_core.models.loading import ModelConversionError as ModelConversionError
     from art_core.models.loading import ModelNotFoundError as ModelNotFoundError
     from art_core.models.loading import load_model as load_model
     from art_core.models.loading import load_tokenizer as load_tokenizer
@@ -26,6 +27,7 @@ __all__, __getattr__ = lazy_exports(
     {
         "art_core.models.loading": (
             "LoadedModel",
+            "ModelConversionError",
             "ModelNotFoundError",
             "load_model",
             "load_tokenizer",

@@ -65,6 +65,10 @@ class ModelNotFoundError(FileNotFoundError):
     """A model spec that cannot be resolved offline; the message says what to do."""
 
 
+class ModelConversionError(ValueError):
+    """A model file that exists but could not be converted (a broken or unsupported GGUF file)."""
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     """A base model ready for serving and LoRA training."""
@@ -316,7 +320,7 @@ def _convert_gguf_apart(gguf: Path, out: Path) -> None:
     weights at once: a load that converted SmolLM2-135M in-process peaked at 1.18 GB of RSS and
     kept 0.48 GB, against 0.43 / 0.43 GB for a load of the converted folder, which is what this
     process now pays (the child's memory goes when it ends; a larger model's conversion would
-    otherwise stay in a trainer's or a server's peak). Raises RuntimeError if the child fails."""
+    otherwise stay in a trainer's or a server's peak). Raises ModelConversionError if the child fails."""
     logger.info("Converting %s to a Hugging Face folder (one time, about 30 s)", gguf)
     root = str(Path(__file__).resolve().parents[2])  # where art_core is, however this process found it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
@@ -325,7 +329,7 @@ def _convert_gguf_apart(gguf: Path, out: Path) -> None:
         [sys.executable, "-c", _CONVERT_IN_CHILD, str(gguf), str(out)], env=env, check=False
     )
     if done.returncode != 0:
-        raise RuntimeError(
+        raise ModelConversionError(
             f"converting {gguf} to a Hugging Face folder failed (exit {done.returncode}; its error is "
             "printed above): is it a complete GGUF file of a model transformers supports?"
         )

@@ -342,7 +342,9 @@ def test_gguf_conversion_runs_in_a_child_process(tmp_path: Path, monkeypatch: py
 def test_a_broken_gguf_file_fails_with_a_clear_error(tmp_path: Path) -> None:
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\0" * 64)
-    with pytest.raises(RuntimeError, match="converting .*broken.gguf.* failed .*complete GGUF file"):
+    with pytest.raises(
+        models_module.ModelConversionError, match="converting .*broken.gguf.* failed .*complete GGUF"
+    ):
         resolve_model_path(str(broken), cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache" / "models").glob("gguf-broken-*"))  # nothing half-built is kept
 

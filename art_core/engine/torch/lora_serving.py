@@ -80,9 +80,16 @@ class _Update:
     `refresh` points at views of the stacked tensors, so a group's A and B are copied once, not
     once for the decode step and again for prefill's modules."""
 
-    def __init__(self, paths: list[str], loras: list[Any | None], outs: list[int], low_rank: LowRank) -> None:
+    def __init__(
+        self,
+        paths: list[str],
+        loras: list[Any | None],
+        outs: list[int],
+        low_rank: LowRank,
+        parts: Sequence[LowRank | None] = (),
+    ) -> None:
         self.paths, self.loras, self.outs, self.low_rank = paths, loras, outs, low_rank
-        self.parts: list[LowRank | None] = []
+        self.parts = list(parts)
         self.stamp: Stamp | None = None
 
     def current(self, adapter: str) -> Stamp:
@@ -254,10 +261,9 @@ class UnmergedWeights:
         """A new update of `paths`; with `parts` (a fused group's projections' own updates), it
         refreshes them as views of its tensors and they are no longer refreshed by themselves."""
         placeholder = torch.empty(0, dtype=self.dtype, device=next(self.model.parameters()).device)
-        update = _Update(paths, loras, outs, LowRank(placeholder, placeholder))
-        if parts:
-            update.parts = list(parts)
-            absorbed = {id(part) for part in parts if part is not None}
+        update = _Update(paths, loras, outs, LowRank(placeholder, placeholder), parts)
+        absorbed = {id(part) for part in parts if part is not None}
+        if absorbed:
             self._updates = [u for u in self._updates if id(u.low_rank) not in absorbed]
         self._updates.append(update)
         return update.low_rank
