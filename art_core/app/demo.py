@@ -151,11 +151,11 @@ def describe_split(split: Mapping[str, float]) -> str:
 
 def rollout_seed(seed: int, step: int, group: int, index: int) -> int:
     """The sampling seed of rollout `index` of group `group` at step `step` of a run seeded `seed`:
-    distinct for every rollout of a run, the same for the same rollout of another run."""
-    mixed = seed
-    for part in (step, group, index):
-        mixed = (mixed * 0x9E3779B97F4A7C15 + part + 1) % 2**63
-    return mixed
+    distinct for every rollout of a run, the same for the same rollout of another run (the engine's
+    `row_seed` mixing, once per level; +1 since its index 0 keeps the seed as it is)."""
+    from art_core.engine.sampling import row_seed  # torch: imported when the demo runs
+
+    return row_seed(row_seed(row_seed(seed, step + 1), group + 1), index + 1)
 
 
 StepCallback = Callable[[int, float, float], None]
