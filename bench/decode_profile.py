@@ -19,6 +19,11 @@ measured memory bandwidth, from a large copy) and do its FLOPs (2 x rows x weigh
 / the measured rate of a square GEMM in the serving dtype); whichever binds. The last line is
 `{"step_ms_b32", "floor_ms_b32", "fraction_of_floor"}` (floor / step: 1.0 is the hardware's pace).
 
+That floor assumes the matmuls read their weights while they compute. Each batch also times the
+gate/up matmul with its weight in cache and with every layer's streamed from memory in turn: the
+difference, against the weight's bytes at the measured bandwidth, is how much of the stream the
+matmul hides; where it hides none, memory + compute is the floor that kernel can reach, printed too.
+
     python bench/decode_profile.py [--batches 1,8,32] [--steps 16] [--threads N] [--dtype auto] [--tiny]
 
 `--tiny` runs the random test model (seconds; tests/engine/test_decode_profile.py does, so the
@@ -257,7 +262,50 @@ def step_work(model: Any, rows: int, context: int) -> tuple[float, float]:
     return weight_bytes + kv_bytes, 2 * rows * matmul_params + attention_flops
 
 
-def profile_batch(loaded: Any, model: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
+def weight_stream(model: Any, rows: int, bandwidth: float, rounds: int = 4) -> dict[str, float] | None:
+    """How much of streaming a matmul's weight from memory the matmul hides behind its compute.
+
+    The MLP's gate/up matmul (the step's largest per layer) at `rows` rows, two ways: one layer's
+    weight over and over (it stays in cache), and every layer's in turn as the step does (each comes
+    from memory). If the weight stream overlapped the compute, the two would take the same time; if
+    it did not, they differ by the weight's bytes at the measured bandwidth. None when the model
+    has no fused gate/up."""
+    names = weight_names(model)
+    weights = [w for w in _gate_up_weights(model) if names.get(id(w)) == "matmul gate_up"]
+    if not weights:
+        return None
+    packs = getattr(model, lean.PACKED_WEIGHTS, None)
+    x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
+
+    def matmul(weight: torch.Tensor) -> Callable[[], Any]:
+        if packs is None or id(weight) not in packs:
+            return lambda: torch.nn.functional.linear(x, weight)
+        packed = packs[id(weight)].packed
+        return lambda: torch.ops.mkldnn._linear_pointwise.default(x, packed, None, "none", [], "")
+
+    calls = [matmul(w) for w in weights]
+    for call in calls:
+        call()
+    cached = statistics.median(_seconds(calls[0]) for _ in range(10 * len(calls)))
+    streamed = statistics.median(_seconds(call) for _ in range(rounds) for call in calls)
+    stream = weights[0].numel() * weights[0].element_size() / (bandwidth * 1e9)
+    return {
+        "mb": weights[0].numel() * weights[0].element_size() / 1e6,
+        "cached_us": cached * 1e6,
+        "streamed_us": streamed * 1e6,
+        "stream_us": stream * 1e6,
+        "overlap": min(1.0, max(0.0, 1.0 - (streamed - cached) / stream)),
+    }
+
+
+def _gate_up_weights(model: Any) -> list[torch.Tensor]:
+    """Each layer's fused gate/up weight (`fuse_projections`), in layer order."""
+    return [layer.mlp.art_gate_up[0] for layer in model.model.layers if hasattr(layer.mlp, "art_gate_up")]
+
+
+def profile_batch(
+    loaded: Any, model: Any, rows: int, args: argparse.Namespace, bandwidth: float
+) -> dict[str, Any]:
     budget = args.warmup + args.steps + 2
     plain = run_steps(make_batch(loaded, model, rows, False, budget), args.steps, args.warmup, nothing)
     sections = Sections()
@@ -286,6 +334,7 @@ def profile_batch(loaded: Any, model: Any, rows: int, args: argparse.Namespace) 
     patches_off = run_steps(batch, args.steps, args.warmup, timed(sections, batch))
     run_steps(constrained, args.steps, args.warmup, timed(grammar_sections, constrained))
     python = python_overhead_share(make_batch(loaded, model, rows, False, budget), args.steps, args.warmup)
+    stream = weight_stream(model, rows, bandwidth)
     context = len(batch.rows[0].prompt_ids) + args.warmup + args.steps // 2
     step_s = statistics.median(plain)
     per_step = {k: v / args.steps for k, v in sections.own.items()}
@@ -297,6 +346,7 @@ def profile_batch(loaded: Any, model: Any, rows: int, args: argparse.Namespace) 
         "grammar_mask_ms": grammar_sections.own.get("grammar masks", 0.0) / args.steps * 1e3,
         "python_share": python,
         "context": context,
+        "stream": stream,
     }
 
 
@@ -327,6 +377,18 @@ def report(result: dict[str, Any], model: Any, bandwidth: float, gflops: float, 
     print(
         f"  Python overhead (torch.profiler, plain path): {result['python_share']:.1%} of the step's wall time "
         "is outside torch ops"
+    )
+    stream = result["stream"]
+    if stream is not None:
+        print(
+            f"  weight stream: gate_up ({stream['mb']:.1f} MB) at {rows} rows takes {stream['cached_us']:.0f} us "
+            f"with its weight in cache, {stream['streamed_us']:.0f} us with each layer's from memory in turn "
+            f"(reading it: {stream['stream_us']:.0f} us at the measured bandwidth): the matmul hides "
+            f"{stream['overlap']:.0%} of its weight's stream behind its compute"
+        )
+    serial_ms = memory_ms + compute_ms
+    print(
+        f"  floor without that overlap (memory + compute, {serial_ms:.2f} ms): fraction {serial_ms / step_ms:.2f}"
     )
     return floor_ms
 
@@ -362,7 +424,7 @@ def main() -> None:
     final: dict[str, float] = {}
     with torch.inference_mode():
         for rows in (int(b) for b in args.batches.split(",")):
-            result = profile_batch(loaded, model, rows, args)
+            result = profile_batch(loaded, model, rows, args, bandwidth)
             floor_ms = report(result, model, bandwidth, gflops, layers)
             final = {
                 "step_ms_b32" if rows == 32 else f"step_ms_b{rows}": round(result["step_ms"], 3),

@@ -23,15 +23,23 @@ torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16), w, None, "none", [], "")
 
 
 def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo on Linux)."""
+    """The CPU's model name, with its family and model numbers where /proc/cpuinfo has them (a
+    virtual machine often names only the vendor's line, "AMD EPYC", for several generations:
+    family 23 model 49 and family 25 model 1 differ in caches and speed)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        return f"{name}, family {fields['cpu family']} model {fields['model']}"
+    return name
 
 
 def cpu_features() -> list[str]:

@@ -20,7 +20,8 @@ def test_decode_profile_tiny_prints_every_part_and_the_floor() -> None:
     text = out.stdout
     for part in ("matmul qkv", "matmul gate_up", "matmul down_proj", "matmul o_proj", "matmul lm_head",
                  "attention (KV append)", "norms", "rotary", "sampling",
-                 "grammar masks", "Python overhead", "memory bandwidth", "batch 1:", "batch 32:"):  # fmt: skip
+                 "grammar masks", "Python overhead", "memory bandwidth", "batch 1:", "batch 32:",
+                 "weight stream: gate_up", "floor without that overlap"):  # fmt: skip
         assert part in text, f"{part!r} missing from:\n{text}"
     # SDPA in bf16, two batched matmuls in float32 (the serving dtype the CPU's probes chose)
     assert "attention (SDPA)" in text or "attention (matmuls)" in text, text
