@@ -23,6 +23,7 @@ MATMUL_OPS = frozenset(
     {
         "aten::mm",
         "aten::addmm",
+        "aten::addmm_",
         "aten::bmm",
         "aten::baddbmm",
         "aten::_mkldnn_matmul",

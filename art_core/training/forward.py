@@ -108,7 +108,7 @@ def hidden_states_at(
             ).last_hidden_state
             table = torch.cat([shared.last_hidden_state[0], rest.reshape(-1, rest.shape[-1])])
             index = torch.where(cols < prefix, cols, prefix + rows * (length - prefix) + cols - prefix)
-            return table[index], prefix
+            return table.index_select(0, index), prefix  # repeated indices: see `packed_hidden_states`
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return hidden[rows, cols], 0
 

@@ -96,7 +96,11 @@ def packed_hidden_states(
             hidden = hidden + out
             hidden = hidden + _mlp(layer.mlp, hidden, layer.post_attention_layernorm)
     hidden = rms_norm(body.norm, hidden)
-    return hidden[tree.index(positions)]
+    # index_select, not hidden[index]: positions repeat (every row's first target reads the shared
+    # prefix's last token), and advanced indexing's backward adds the repeats with atomic adds in
+    # parallel on CPU, in an order that changes from run to run; index_select's backward
+    # (`index_add_`) adds them in index order, so a step's gradients are the same bits every run.
+    return hidden.index_select(0, tree.index(positions))
 
 
 @dataclass(frozen=True)

@@ -41,11 +41,7 @@ async def run_steps(
     # Seeded runs leave out the engine's log-probs (truncated importance sampling), whose last bits
     # depend on how concurrent requests were batched; the rest of a step is then bit-reproducible.
     loss = LossConfig(name="grpo", tis_cap=None if seeded else 2.0)
-    # Seeded runs also train one group per pass: with both groups in one pass (the default packing)
-    # two unbroken runs of the same seeds differ in the last bits from the second step on (not yet
-    # explained; docs/benchmarks.md, "whole groups in one pass"), and this test is about what a
-    # restart restores, bit for bit.
-    config = TrainConfig(learning_rate=2e-2, loss=loss, group_pack_tokens=1 if seeded else 512)
+    config = TrainConfig(learning_rate=2e-2, loss=loss)  # both groups in one pass (the default packing)
     for _ in range(steps):
         step = await model.get_step()
         groups = await gather_trajectory_groups(

@@ -84,6 +84,34 @@ def test_packed_forward_equals_transformers(tiny_model: LoadedModel, family: str
         assert_close_to_model(a, b, model, torch.float32, backward=True)
 
 
+def test_packed_forward_gradients_are_the_same_bits_every_pass(tiny_model: LoadedModel) -> None:
+    """Positions that read the same packed token (here: every row's copy of a shared prefix) add
+    their gradients in the same order every pass. Advanced indexing's backward added them with
+    atomic adds on two threads, so seeded runs parted in the last bits from the first step on."""
+    model = with_lora(tiny_model.model)
+    decoder = model.get_base_model().get_decoder()  # type: ignore[operator]
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(5, 250, (16, 12), generator=generator)
+    ids[:, :8] = ids[0, :8]  # 16 rows share 8 tokens: each shared token's state is read 16 times
+    mask = torch.ones_like(ids)
+    weights = torch.randn(16 * 12, model.config.hidden_size, generator=generator)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the atomic adds need two threads to race
+    try:
+        passes = []
+        for _ in range(12):
+            model.zero_grad(set_to_none=True)
+            with fused_lora(model, "default"):
+                hidden = packed_hidden_states(decoder, ids, mask, mask > 0, 8)
+            (hidden * weights).sum().backward()
+            passes.append([p.grad.clone() for n, p in model.named_parameters() if "lora_" in n])
+    finally:
+        torch.set_num_threads(threads)
+    assert passes[0]
+    for grads in passes[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(passes[0], grads, strict=True))
+
+
 def test_packed_forward_with_the_adapter_disabled_is_the_base_model(tiny_model: LoadedModel) -> None:
     model = with_lora(tiny_model.model)
     ids, mask, positions = batch(4)
