@@ -270,8 +270,7 @@ def weight_stream(model: Any, rows: int, bandwidth: float, rounds: int = 4) -> d
     from memory). If the weight stream overlapped the compute, the two would take the same time; if
     it did not, they differ by the weight's bytes at the measured bandwidth. None when the model
     has no fused gate/up."""
-    names = weight_names(model)
-    weights = [w for w in _gate_up_weights(model) if names.get(id(w)) == "matmul gate_up"]
+    weights = [layer.mlp.art_gate_up[0] for layer in model.model.layers if hasattr(layer.mlp, "art_gate_up")]
     if not weights:
         return None
     packs = getattr(model, lean.PACKED_WEIGHTS, None)
@@ -296,11 +295,6 @@ def weight_stream(model: Any, rows: int, bandwidth: float, rounds: int = 4) -> d
         "stream_us": stream * 1e6,
         "overlap": min(1.0, max(0.0, 1.0 - (streamed - cached) / stream)),
     }
-
-
-def _gate_up_weights(model: Any) -> list[torch.Tensor]:
-    """Each layer's fused gate/up weight (`fuse_projections`), in layer order."""
-    return [layer.mlp.art_gate_up[0] for layer in model.model.layers if hasattr(layer.mlp, "art_gate_up")]
 
 
 def profile_batch(
