@@ -270,26 +270,24 @@ def weight_stream(model: Any, rows: int, bandwidth: float, rounds: int = 4) -> d
     from memory). If the weight stream overlapped the compute, the two would take the same time; if
     it did not, they differ by the weight's bytes at the measured bandwidth. None when the model
     has no fused gate/up."""
-    weights = [layer.mlp.art_gate_up[0] for layer in model.model.layers if hasattr(layer.mlp, "art_gate_up")]
+    weights = [
+        getattr(layer.mlp, lean.GATE_UP)[0]
+        for layer in model.model.layers
+        if hasattr(layer.mlp, lean.GATE_UP)
+    ]
     if not weights:
         return None
     packs = getattr(model, lean.PACKED_WEIGHTS, None)
     x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
-
-    def matmul(weight: torch.Tensor) -> Callable[[], Any]:
-        if packs is None or id(weight) not in packs:
-            return lambda: torch.nn.functional.linear(x, weight)
-        packed = packs[id(weight)].packed
-        return lambda: torch.ops.mkldnn._linear_pointwise.default(x, packed, None, "none", [], "")
-
-    calls = [matmul(w) for w in weights]
+    calls = [lambda w=w: lean._linear(x, w, None, packs) for w in weights]  # the step's own matmul call
     for call in calls:
         call()
     cached = statistics.median(_seconds(calls[0]) for _ in range(10 * len(calls)))
     streamed = statistics.median(_seconds(call) for _ in range(rounds) for call in calls)
-    stream = weights[0].numel() * weights[0].element_size() / (bandwidth * 1e9)
+    nbytes = weights[0].numel() * weights[0].element_size()
+    stream = nbytes / (bandwidth * 1e9)
     return {
-        "mb": weights[0].numel() * weights[0].element_size() / 1e6,
+        "mb": nbytes / 1e6,
         "cached_us": cached * 1e6,
         "streamed_us": streamed * 1e6,
         "stream_us": stream * 1e6,
