@@ -24,7 +24,12 @@ the `art` CLI sets: freed memory kept for reuse). The two trainers' processes ru
 hits both alike. A time is the median of `--repeats` steps after one warm-up step. The last line
 printed is a JSON object.
 
-Usage: python bench/train_step.py [--repeats 3] [--threads N] [--dtype float32|bfloat16] [--trl-full]
+Usage: python bench/train_step.py [--repeats 3] [--threads N] [--dtype float32|bfloat16]
+[--precision auto|mixed|fp32] [--trl-full]
+
+`--precision auto` (the default) runs each trainer's mixed precision where the CPU has native bf16
+(AVX512-BF16 or AMX, probed by `art_core.models.hardware.cpu_has_native_bf16`) and exact fp32 on
+both sides where it has not: there TRL's default bf16 autocast is emulated and takes minutes a step.
 """
 
 from __future__ import annotations
@@ -495,11 +500,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--precision",
-        choices=["mixed", "fp32"],
-        default="mixed",
+        choices=["auto", "mixed", "fp32"],
+        default="auto",
         help="float32 weights' matmuls: each trainer's default mixed precision (ours: the frozen base "
         "projections on bf16 copies and bf16 fast-math for the rest, where the CPU has native bf16; "
-        "TRL: bf16=True autocast), or exact fp32 on both sides",
+        "TRL: bf16=True autocast), or exact fp32 on both sides; auto: mixed where the CPU has native "
+        "bf16, fp32 where it has not (there TRL's bf16 autocast is emulated: minutes a step)",
     )
     parser.add_argument("--trl-full", action="store_true", help="also time TRL's step with generation")
     parser.add_argument("--skip-trl", action="store_true", help="only our trainer (for development)")
@@ -509,6 +515,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1 or args.threads < 1:
         parser.error("--repeats and --threads must be >= 1")
+    args.precision_chosen = args.precision == "auto"
+    if args.precision_chosen:
+        from art_core.models.hardware import cpu_has_native_bf16
+
+        args.precision = "mixed" if cpu_has_native_bf16() else "fp32"
     if args.worker:
         run_worker(args)
         return
@@ -549,10 +560,13 @@ def report(
     load: tuple[float, float],
 ) -> None:
     prompt, n = len(data["prompt_ids"]), len(data["completion_ids"])
+    precision = args.precision
+    if args.precision_chosen:
+        precision += f" (auto: {'native' if precision == 'mixed' else 'no native'} bf16 on this CPU)"
     print(machine_header())
     print(
         f"machine: {os.cpu_count()} CPUs, torch threads {args.threads}, base weights {args.dtype}, "
-        f"precision {args.precision}, "
+        f"precision {precision}, "
         f"load average {load[0]:.1f} before, {load[1]:.1f} after"
     )
     if max(load) > (os.cpu_count() or 1) - args.threads + 0.5:
