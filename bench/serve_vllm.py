@@ -38,7 +38,7 @@ def start_vllm(
         "--max-model-len", str(max_len), "--generation-config", "vllm",
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
-    if not args.vllm_compile:
+    if args.vllm_eager:  # vLLM's default is its torch.compile'd model
         argv += ["--enforce-eager"]
     if adapter_dir:
         argv += ["--enable-lora", "--lora-modules", f"{LORA_NAME}={adapter_dir}"]
@@ -99,7 +99,7 @@ def _wait_for_vllm(
     except (httpx.HTTPError, ValueError, KeyError):
         version, models = "?", []
     say(f"{label}: vllm {version} up in {start_s:.0f} s, threads bound to CPUs {cpus}, serving {models}")
-    bound = f"{args.threads} (bound to {cpus}{', iomp' if args.vllm_iomp else ''}{', compiled' if args.vllm_compile else ''})"
+    bound = f"{args.threads} (bound to {cpus}{', iomp' if args.vllm_iomp else ''}{', eager' if args.vllm_eager else ', compiled'})"
     facts = {"dtype": args.dtype, "threads": bound, "version": version, "start_s": round(start_s, 1)}
     key = "vllm_lora" if adapter_dir else "vllm_base"
     return proc, Target(key, url + "/v1", "none", LORA_NAME if adapter_dir else MODEL, proc.pid), facts
