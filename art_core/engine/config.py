@@ -80,9 +80,10 @@ class EngineConfig:
     """Serve the adapter unmerged: the trainer's own base weights (shared, not copied) plus the
     adapter's low-rank update in every adapted projection (`lora_serving.UnmergedWeights`), instead
     of a merged copy. Only where the serving dtype is the model's. None (auto): where the base
-    weights are packed for decoding (`pack_weights`), which is then done once instead of never:
-    a float32 model on a CPU without native bf16; the packed copies take the merged copy's place
-    in memory, and a train step needs no re-merge. True: whenever the dtype allows it; False:
+    weights are packed for decoding (`pack_weights`): a float32 model on a CPU without native bf16.
+    There the packed copies take the merged copy's place in memory, and a train step merges the
+    new update into them in place (float32 decode steps multiply by base + update as one packed
+    matrix), with no second copy of the weights. True: whenever the dtype allows it; False:
     always a merged copy."""
     pack_weights: bool | Literal["head"] | None = None
     """Decode through oneDNN-packed copies of the serving copy's matmul weights (CPU only; one more

@@ -86,9 +86,35 @@ def test_the_unmerged_copy_decodes_like_the_peft_model_and_follows_its_training(
     assert served.stale(peft)
     assert served.sync(peft) > 0 and served.merges == 2 and not served.stale(peft)
     _prefill_and_steps(served.model, peft)
-    if pack:  # the base weights did not change: their packed copies were not made again
+    if pack:  # the adapted projections' packs hold the new update (made in `sync`); the head's is kept
         now = getattr(served.model, PACKED_WEIGHTS)
-        assert now.keys() == packs.keys() and all(now[k].packed is packs[k].packed for k in packs)
+        head = id(served.model.lm_head.weight)
+        assert now.keys() == packs.keys() and now[head] is packs[head]
+        adapted = [key for key in packs if key != head]
+        assert adapted and all(now[k] is not packs[k] and now[k].update for k in adapted)
+        assert all(now[k].packed is packs[k].packed for k in adapted)  # merged into the same buffers
+        assert served.sync(peft) == 0  # nothing changed: nothing is merged or packed again
+        assert all(getattr(served.model, PACKED_WEIGHTS)[k] is now[k] for k in now)
+
+
+def test_a_packed_decode_step_merges_a_changed_update_itself_when_sync_did_not(
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The packed float32 decode step multiplies by base + update merged into one packed matrix; if
+    the update's tensors changed and nothing merged them again (here `sync`'s `refresh_packs` is
+    skipped), the step sees it and merges them itself rather than serve the old update."""
+    from art_core.engine.torch import lora_serving
+
+    peft = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8), adapter_name="live").eval()
+    _trained(peft, seed=7)
+    served = UnmergedWeights(peft, "live", pack=True)
+    if not served.packed:
+        pytest.skip("this torch has no oneDNN packed float32 linear here")
+    _prefill_and_steps(served.model, peft)
+    monkeypatch.setattr(lora_serving, "refresh_packs", lambda model: 0)
+    _trained(peft, seed=8)
+    assert served.sync(peft) > 0
+    _prefill_and_steps(served.model, peft)
 
 
 def test_the_unmerged_copy_holds_no_copy_of_the_trainers_weights(tiny_model: LoadedModel) -> None:

@@ -19,7 +19,8 @@ RMSNorm over each head of the queries and keys before the rotation) with full at
 layer, and `Gemma3ForCausalLM` (q/k norms, norms after attention and MLP, a rope base per layer
 type, sliding-window layers: the last `sliding_window` positions), all with no peft wrapping: the
 engine's merged serving copy, or its unmerged one (`lora_serving`), whose projections add a
-low-rank update (`LowRank`) to frozen base weights. `supports_decode_step` says whether a model
+low-rank update (`LowRank`) to frozen base weights (merged into their packed copies in float32:
+`merges_into_pack`). `supports_decode_step` says whether a model
 qualifies; anything else runs transformers' forward. The logits equal transformers' to float
 rounding (tests/engine/test_decode_step.py).
 """
@@ -388,6 +389,10 @@ every batch from 1 to 128 rows (32 rows x 576 -> 3072: 1,144 against 928 us; the
 against 14.9 ms), and hints from 8 to 256 are alike."""
 
 
+_UpdateStamp = tuple[torch.Tensor, torch.Tensor, int, int]
+"""A `LowRank`'s `down_t` and `up_t` (held, so their identities stay theirs) and their versions."""
+
+
 @dataclass(frozen=True)
 class _Packed:
     weight: Weight
@@ -395,7 +400,42 @@ class _Packed:
     version: int | tuple[int, ...]
     """`_version(weight)` when packed: every in-place write (a re-merge) bumps it."""
     packed: torch.Tensor
-    """oneDNN's blocked layout of `weight` (a group's weights stacked, in order)."""
+    """oneDNN's blocked layout of `weight` (a group's weights stacked, in order), plus `update`'s
+    product where that is not None."""
+    update: _UpdateStamp | None = None
+    """The `LowRank` update merged into `packed` (`merges_into_pack`), as its tensors and their
+    version counters when merged; None: `packed` is the plain weight's alone."""
+
+
+def merges_into_pack(weight: Weight, lora: LowRank | None) -> bool:
+    """Whether a packed decode step multiplies by `weight + lora` merged into one packed matrix
+    rather than by the packed `weight` plus `lora.add_to` (the unmerged serving copy's update).
+
+    In float32: a merge rounds the sum to float32's 24 bits, below the update's own size by far,
+    and spares each decode step two small matmuls a projection (240 ops a step for SmolLM2-135M:
+    ~11 ms of a 118 ms step at 32 rows on an AVX2-only AMD EPYC, docs/benchmarks.md). The merge
+    is redone (~0.1-0.2 s for SmolLM2-135M) only when the update changed: once a train step. Not
+    in bf16, whose 8-bit mantissa would round most of a LoRA update away."""
+    if lora is None:
+        return False
+    first = weight if isinstance(weight, torch.Tensor) else weight[0]
+    return first.dtype == torch.float32
+
+
+def _update_stamp(lora: LowRank) -> _UpdateStamp:
+    return (lora.down_t, lora.up_t, lora.down_t._version, lora.up_t._version)
+
+
+def _same_update(stamp: _UpdateStamp | None, lora: LowRank | None) -> bool:
+    if stamp is None or lora is None:
+        return stamp is None and lora is None
+    down_t, up_t, down_version, up_version = stamp
+    return (
+        down_t is lora.down_t
+        and up_t is lora.up_t
+        and down_version == lora.down_t._version
+        and up_version == lora.up_t._version
+    )
 
 
 def pack_weights(model: Any, pack: bool | Literal["head"] | None = None) -> bool:
@@ -451,20 +491,67 @@ def _linear(
     holds them. A fused group (a tuple of weights) is multiplied by as their stacked rows."""
     if packs is None:
         out = F.linear(x, weight if isinstance(weight, torch.Tensor) else torch.cat(weight), bias)
+        return out if lora is None else lora.add_to(out, x)
+    merged = lora if merges_into_pack(weight, lora) else None
+    entry = _packed(weight, packs, merged)
+    out = torch.ops.mkldnn._linear_pointwise.default(x, entry.packed, bias, "none", [], "")
+    return out if lora is None or merged is not None else lora.add_to(out, x)
+
+
+def _packed(weight: Weight, packs: dict[int, _Packed], merged: LowRank | None) -> _Packed:
+    """`packs`' entry for `weight` (with `merged`'s update in it where not None), made or made again
+    when the weight or the update changed since: a write bumped a version counter, or the update's
+    tensors were replaced (`lora_serving.UnmergedWeights.sync`)."""
+    version = _version(weight)
+    entry = packs.get(id(weight))
+    if (
+        entry is not None
+        and entry.weight is weight
+        and entry.version == version
+        and _same_update(entry.update, merged)
+    ):
+        return entry
+    if isinstance(weight, torch.Tensor):
+        plain = weight.detach()
+        if merged is not None:  # out of place: `weight` is the trainer's base weight
+            plain = torch.addmm(plain, merged.up_t.t(), merged.down_t.t())
     else:
-        version = _version(weight)
-        entry = packs.get(id(weight))
-        if entry is None or entry.weight is not weight or entry.version != version:
-            plain = (
-                weight.detach()
-                if isinstance(weight, torch.Tensor)
-                else torch.cat([w.detach() for w in weight])
-            )
-            packed = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS_HINT)
-            del plain  # a group's stacked copy: only its packed layout is kept
-            entry = packs[id(weight)] = _Packed(weight, version, packed)
-        out = torch.ops.mkldnn._linear_pointwise.default(x, entry.packed, bias, "none", [], "")
-    return out if lora is None else lora.add_to(out, x)
+        plain = torch.cat([w.detach() for w in weight])  # our own stacked copy
+        if merged is not None:
+            plain.addmm_(merged.up_t.t(), merged.down_t.t())
+    packed = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS_HINT)
+    del plain  # only the packed layout is kept
+    if entry is not None and entry.weight is weight and _same_layout(entry.packed, packed):
+        # Into the old buffer: a train step's merges then leave the heap's layout as it was (new
+        # buffers while the old ones live had `art demo` peak ~80 MB higher).
+        packed = entry.packed.copy_(packed)
+    stamp = None if merged is None else _update_stamp(merged)
+    entry = packs[id(weight)] = _Packed(weight, version, packed, stamp)
+    return entry
+
+
+def refresh_packs(model: Any) -> int:
+    """Make every packed decode weight of `model`'s layers current now (`pack_weights`): what the
+    first decode step would otherwise do, where a merged update (`merges_into_pack`) or a weight
+    changed. Returns how many packed copies were made. A model without packs: 0."""
+    packs: dict[int, _Packed] | None = getattr(model, PACKED_WEIGHTS, None)
+    if packs is None:
+        return 0
+    before = dict(packs)
+    for layer in _layers(model):
+        pairs = [(layer.o_proj.weight, layer.o_lora), (layer.down_proj.weight, layer.down_lora)]
+        pairs += [
+            (group[0], lora)
+            for group, lora in ((layer.qkv, layer.qkv_lora), (layer.gate_up, layer.gate_up_lora))
+            if group is not None
+        ]
+        for weight, lora in pairs:
+            _packed(weight, packs, lora if merges_into_pack(weight, lora) else None)
+    return sum(1 for key, entry in packs.items() if before.get(key) is not entry)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 def _version(weight: Weight) -> int | tuple[int, ...]:
