@@ -414,8 +414,8 @@ def merges_into_pack(weight: Weight, lora: LowRank | None) -> bool:
     In float32: a merge rounds the sum to float32's 24 bits, below the update's own size by far,
     and spares each decode step two small matmuls a projection (240 ops a step for SmolLM2-135M:
     ~11 ms of a 118 ms step at 32 rows on an AVX2-only AMD EPYC, docs/benchmarks.md). The merge
-    is redone (~0.1-0.2 s for SmolLM2-135M) only when the update changed: once a train step. Not
-    in bf16, whose 8-bit mantissa would round most of a LoRA update away."""
+    is redone (~0.2-0.3 s for SmolLM2-135M on 2 cores) only when the update changed: once a train
+    step. Not in bf16, whose 8-bit mantissa would round most of a LoRA update away."""
     if lora is None:
         return False
     first = weight if isinstance(weight, torch.Tensor) else weight[0]
@@ -488,7 +488,8 @@ def _linear(
     lora: LowRank | None = None,
 ) -> torch.Tensor:
     """`F.linear` (plus the `LowRank` update `lora`), through a packed copy of `weight` when `packs`
-    holds them. A fused group (a tuple of weights) is multiplied by as their stacked rows."""
+    holds them: in float32 one with `lora` merged into it (`merges_into_pack`), else `lora` added to
+    its product. A fused group (a tuple of weights) is multiplied by as their stacked rows."""
     if packs is None:
         out = F.linear(x, weight if isinstance(weight, torch.Tensor) else torch.cat(weight), bias)
         return out if lora is None else lora.add_to(out, x)
