@@ -402,9 +402,11 @@ class _Packed:
     packed: torch.Tensor
     """oneDNN's blocked layout of `weight` (a group's weights stacked, in order), plus `update`'s
     product where that is not None."""
+    merged: LowRank | None = None
+    """The `LowRank` update merged into `packed` (`merges_into_pack`); None: the plain weight's alone."""
     update: _UpdateStamp | None = None
-    """The `LowRank` update merged into `packed` (`merges_into_pack`), as its tensors and their
-    version counters when merged; None: `packed` is the plain weight's alone."""
+    """`merged`'s tensors and their version counters when merged (`refresh_packs` and every decode
+    step merge again when they differ)."""
 
 
 def merges_into_pack(weight: Weight, lora: LowRank | None) -> bool:
@@ -512,43 +514,41 @@ def _packed(weight: Weight, packs: dict[int, _Packed], merged: LowRank | None) -
         and _same_update(entry.update, merged)
     ):
         return entry
-    if isinstance(weight, torch.Tensor):
-        plain = weight.detach()
-        if merged is not None:  # out of place: `weight` is the trainer's base weight
-            plain = torch.addmm(plain, merged.up_t.t(), merged.down_t.t())
-    else:
-        plain = torch.cat([w.detach() for w in weight])  # our own stacked copy
-        if merged is not None:
-            plain.addmm_(merged.up_t.t(), merged.down_t.t())
-    packed = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS_HINT)
-    del plain  # only the packed layout is kept
-    if entry is not None and entry.weight is weight and _same_layout(entry.packed, packed):
-        # Into the old buffer: a train step's merges then leave the heap's layout as it was (new
-        # buffers while the old ones live had `art demo` peak ~80 MB higher).
-        packed = entry.packed.copy_(packed)
+    # In inference mode whether or not the caller is (decode steps are, `sync` is not): a pack made
+    # in a decode step is an inference tensor, which only inference mode may write in place.
+    with torch.inference_mode():
+        if isinstance(weight, torch.Tensor):
+            plain = weight.detach()
+            if merged is not None:  # out of place: `weight` is the trainer's base weight
+                plain = torch.addmm(plain, merged.up_t.t(), merged.down_t.t())
+        else:
+            plain = torch.cat([w.detach() for w in weight])  # our own stacked copy
+            if merged is not None:
+                plain.addmm_(merged.up_t.t(), merged.down_t.t())
+        packed = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS_HINT)
+        del plain  # only the packed layout is kept
+        if entry is not None and entry.weight is weight and _same_layout(entry.packed, packed):
+            # Into the old buffer: a train step's merges then leave the heap's layout as it was
+            # (new buffers while the old ones lived had `art demo` peak ~80 MB higher).
+            packed = entry.packed.copy_(packed)
     stamp = None if merged is None else _update_stamp(merged)
-    entry = packs[id(weight)] = _Packed(weight, version, packed, stamp)
+    entry = packs[id(weight)] = _Packed(weight, version, packed, merged, stamp)
     return entry
 
 
 def refresh_packs(model: Any) -> int:
-    """Make every packed decode weight of `model`'s layers current now (`pack_weights`): what the
-    first decode step would otherwise do, where a merged update (`merges_into_pack`) or a weight
-    changed. Returns how many packed copies were made. A model without packs: 0."""
+    """Merge again, now, every packed decode weight of `model` whose merged update
+    (`merges_into_pack`) changed: what its next decode step would otherwise do. Returns how many
+    were merged again; a model without packs, or with none made yet (the first decode step makes
+    them), 0."""
     packs: dict[int, _Packed] | None = getattr(model, PACKED_WEIGHTS, None)
-    if packs is None:
+    if not packs:
         return 0
-    before = dict(packs)
-    for layer in _layers(model):
-        pairs = [(layer.o_proj.weight, layer.o_lora), (layer.down_proj.weight, layer.down_lora)]
-        pairs += [
-            (group[0], lora)
-            for group, lora in ((layer.qkv, layer.qkv_lora), (layer.gate_up, layer.gate_up_lora))
-            if group is not None
-        ]
-        for weight, lora in pairs:
-            _packed(weight, packs, lora if merges_into_pack(weight, lora) else None)
-    return sum(1 for key, entry in packs.items() if before.get(key) is not entry)
+    before = list(packs.values())
+    for entry in before:
+        if entry.merged is not None:
+            _packed(entry.weight, packs, entry.merged)
+    return sum(1 for entry in before if packs[id(entry.weight)] is not entry)
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
