@@ -400,7 +400,7 @@ class _Packed:
     version: int | tuple[int, ...]
     """`_version(weight)` when packed: every in-place write (a re-merge) bumps it."""
     packed: torch.Tensor
-    """oneDNN's blocked layout of `weight` (a group's weights stacked, in order), plus `update`'s
+    """oneDNN's blocked layout of `weight` (a group's weights stacked, in order), plus `merged`'s
     product where that is not None."""
     merged: LowRank | None = None
     """The `LowRank` update merged into `packed` (`merges_into_pack`); None: the plain weight's alone."""
