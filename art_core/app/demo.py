@@ -112,7 +112,7 @@ class DemoSummary:
     """Mean seconds per step of this run, from history.jsonl (`step_time_split`)."""
 
 
-SPLIT_PHASES = ("rollout", "train", "publish", "checkpoint", "checkpoint_wait", "step")
+SPLIT_PHASES = ("rollout", "remerge", "train", "publish", "checkpoint", "checkpoint_wait", "step")
 """The `time/<phase>_s` keys of a train line that `step_time_split` averages."""
 
 
@@ -139,6 +139,8 @@ def describe_split(split: Mapping[str, float]) -> str:
         return "per step: no train step recorded"
     names = {"rollout": "rollouts", "train": "train", "publish": "publish", "checkpoint": "checkpoint"}
     parts = [f"{label} {split[key]:.2f} s" for key, label in names.items() if key in split]
+    if "remerge" in split and "rollout" in split:
+        parts[0] += f" (the served weights' re-merge, {split['remerge']:.2f} s, ran as they began)"
     if "checkpoint_overlapped" in split:
         parts[-1] += (
             f" ({split['checkpoint_overlapped']:.2f} s of it during the next rollouts; "

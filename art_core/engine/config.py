@@ -158,6 +158,9 @@ class EngineStats:
     """Largest batch so far, in rows."""
     merges: int = 0
     """Times the serving copy was (re-)merged, including at construction; 0 without one."""
+    merge_seconds: float = 0.0
+    """Wall seconds those merges took, summed (on the engine's thread, which decodes nothing
+    meanwhile); 0.0 without a serving copy."""
     aborted: int = 0
     """Rows ended early because their request was cancelled (a closed stream, a cancelled call)."""
     joins: int = 0

@@ -95,6 +95,9 @@ class HostedModel:
     processes' shared LoRA), which each step's LoRA is published to (`publish()`)."""
     commits: BackgroundCommit = field(init=False)
     """The step commit in flight, if any (`TorchServing.overlap_checkpoint`; see `host.commits`)."""
+    merge_seconds: float = 0.0
+    """One TorchEngine: its `EngineStats.merge_seconds` at the last train call, so that the next
+    records the re-merges in between (`time/remerge_s`)."""
 
     def __post_init__(self) -> None:
         self.commits = BackgroundCommit(self.spec.name)
@@ -176,9 +179,9 @@ class ModelService:
                 serving.engine_config, max_context=_served_context(loaded, serving.engine_config.max_context)
             )
             if serving.replicas == 1 and not self._sharded:
-                hosted = HostedModel(
-                    spec, loaded, TorchEngine(peft_model, loaded.tokenizer, config), trainer, storage, step
-                )
+                engine = TorchEngine(peft_model, loaded.tokenizer, config)
+                hosted = HostedModel(spec, loaded, engine, trainer, storage, step)
+                hosted.merge_seconds = engine.stats().merge_seconds  # the first merge is the engine's start
             else:  # a sharded trainer's model serves nothing: process replicas (checked in __init__)
                 replicated, copies = (
                     process_replicas(
@@ -391,6 +394,7 @@ class ModelService:
                 return _replayed(hosted)
             started, step = time.perf_counter(), hosted.step + 1
             timer, rollout_s = PhaseTimer(), rollout_seconds(groups, time.time())
+            rollout_s.update(_remerge_seconds(hosted))
             prepared = prepare_batch(
                 groups,
                 scale_rewards=config.scale_rewards,
@@ -404,9 +408,11 @@ class ModelService:
                 seconds = {**rollout_s, **timer.seconds, "checkpoint": checkpoint_s}
                 return train_record(step, groups, prepared.metrics, metrics, seconds)
 
+            rewritten = True  # until the trainer says it took no optimizer step
             try:
                 with timer("train"):
                     metrics = hosted.trainer.train_step(prepared, config)
+                rewritten = bool(metrics.get("trained", 0))
                 if hosted.copies is not None:  # torch replicas: every one gets the step before any resumes
                     with timer("publish"):
                         hosted.copies.publish()
@@ -417,7 +423,10 @@ class ModelService:
                         hosted.adapters.publish(hosted.step, hosted.storage.checkpoint_dir(hosted.step))
             finally:
                 with timer("publish"):  # torch: the live adapter is the trained one; serving resumes
-                    hosted.engine.resume()
+                    if isinstance(hosted.engine, TorchEngine):  # a step that trained nothing: no re-merge
+                        hosted.engine.resume(rewritten=rewritten)
+                    else:
+                        hosted.engine.resume()
             trained = bool(metrics.get("trained", 0))
             notify("train", metrics)
             warnings = _step_warnings(step, prepared, metrics)
@@ -592,6 +601,20 @@ def _replayed(hosted: HostedModel) -> TrainResult:
             "or a server restart); it was not trained again"
         ],
     )
+
+
+def _remerge_seconds(hosted: HostedModel) -> dict[str, float]:
+    """`{"remerge": seconds}`: how long one TorchEngine's serving copy spent being merged again
+    since the previous train call (or since registration). `resume()` leaves it to the
+    engine's thread, which merges as the train call returns, before it decodes the next step's
+    requests: it overlaps the next `time/rollout_s` and is in no train call. `{}` for replicas
+    (`publish()` merges inside `time/publish_s`), vLLM, and an engine without a serving copy."""
+    stats = getattr(hosted.engine, "stats", None)
+    if hosted.copies is not None or hosted.adapters is not None or stats is None:
+        return {}
+    total = float(stats().merge_seconds)
+    seconds, hosted.merge_seconds = total - hosted.merge_seconds, total
+    return {"remerge": seconds} if total > 0 else {}
 
 
 def _step_warnings(step: int, prepared: PreparedBatch, metrics: dict[str, float]) -> list[str]:

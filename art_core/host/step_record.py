@@ -29,6 +29,10 @@ ART 0.5's names:
 |                                       | `train` call                                                  |
 | `time/checkpoint_wait_s`              | background commit only: how long this `train` call waited for |
 |                                       | the previous step's commit (the part of it not overlapped)    |
+| `time/remerge_s`                      | one torch engine: its serving copy's merge of the previous    |
+|                                       | step's weights, on the engine's thread as the previous train  |
+|                                       | call returned: this step's first requests waited for it       |
+|                                       | (overlaps `time/rollout_s`; in no train call)                 |
 
 With the background commit (`TorchServing.overlap_checkpoint`, the default for in-process calls)
 step n's `time/checkpoint_s` runs during step n+1's rollouts and is not in step n's `time/step_s`;
@@ -103,8 +107,8 @@ def train_record(
 ) -> dict[str, Any]:
     """One history line for a train step (see the module docstring for the keys).
 
-    `seconds` maps phases (`rollout`, `train`, `publish`, `checkpoint`, `checkpoint_wait`, `step`)
-    to wall time.
+    `seconds` maps phases (`rollout`, `remerge`, `train`, `publish`, `checkpoint`,
+    `checkpoint_wait`, `step`) to wall time.
     """
     trained = bool(train_metrics.get("trained", 0))
     record: dict[str, Any] = {"step": step, **split_metrics(groups, "train")}

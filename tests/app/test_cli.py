@@ -38,10 +38,19 @@ def test_art_demo_json_line_plot_and_resume(tmp_path: Path) -> None:
     assert set(summary) == {"first_reward", "last_reward", "steps", "seconds", "step_seconds"}
     assert summary["steps"] == 2
     split = summary["step_seconds"]  # both steps' commits done: the last one's during close
-    assert {"rollout", "train", "publish", "checkpoint", "checkpoint_wait", "checkpoint_overlapped"} <= set(
-        split
-    )
+    phases = {
+        "rollout",
+        "remerge",
+        "train",
+        "publish",
+        "checkpoint",
+        "checkpoint_wait",
+        "checkpoint_overlapped",
+    }
+    assert phases <= set(split)
     assert 0 <= split["checkpoint_overlapped"] <= split["checkpoint"] and "per step: rollouts" in first.output
+    # 0.0 where step 1 trained nothing (equal rewards: nothing to re-merge for step 2's rollouts)
+    assert split["remerge"] >= 0 and "the served weights' re-merge" in " ".join(first.output.split())
     assert (tmp_path / "curve.png").stat().st_size > 0 and "resumed" not in first.output
     second = runner.invoke(app, argv)  # the same name again: the model resumes at step 2
     assert second.exit_code == 0, second.output

@@ -121,9 +121,13 @@ async def test_a_step_that_trains_nothing_says_so(tmp_path, caplog):
         groups = await gather_trajectory_groups(
             [TrajectoryGroup(rollout(model, set()) for _ in range(4))], pbar=False
         )
+        engine = backend.service.get("flat").engine
+        merges = engine.stats().merges
         with caplog.at_level("WARNING"):
             result = await model.train(groups)
         assert not result.trained
+        await gather_trajectory_groups([TrajectoryGroup(rollout(model, set()) for _ in range(2))], pbar=False)
+        assert engine.stats().merges == merges  # the weights did not change: nothing was re-merged
         assert "1 of 1 groups had equal rewards" in result.warnings[0]
         assert "nothing trained" in caplog.text
         assert result.step == 1  # the step still advances: it is the data position of a resumed run

@@ -608,16 +608,48 @@ async def test_resume_serves_the_weights_trained_while_paused(
     engine = TorchEngine(peft_model, tiny_model.tokenizer, EXACT)
     try:
         before = await _greedy(engine, ps, "trainer")
-        merges = engine.stats().merges
+        merges, seconds = engine.stats().merges, engine.stats().merge_seconds
         with engine.paused():
             _scale_lora_b(peft_model, "trainer", -3.0, through_data)
         after = await _greedy(engine, ps, "trainer")
         assert engine.stats().merges == merges + 1
+        assert engine.stats().merge_seconds > seconds  # the re-merge's time is counted
     finally:
         engine.close()
     trained = await _peft_reference(peft_model, tiny_model.tokenizer, ps, "trainer")
     _assert_same(after, trained)
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
+
+
+async def test_a_resume_after_writing_nothing_re_merges_nothing_yet_sees_tracked_writes(
+    tiny_model: LoadedModel, peft_setup: tuple[Any, Path]
+) -> None:
+    """`resume(rewritten=False)` (a train step that took no optimizer step) skips the re-merge that
+    `resume()` forces; a write through torch made while paused is still seen by its version counters."""
+    peft_model, _ = peft_setup
+    ps = prompts(tiny_model)
+    engine = TorchEngine(peft_model, tiny_model.tokenizer, EXACT)
+    try:
+        await _greedy(engine, ps, "trainer")
+        merges, seconds = engine.stats().merges, engine.stats().merge_seconds
+        engine.pause()
+        engine.resume(rewritten=False)
+        await _greedy(engine, ps, "trainer")
+        assert (engine.stats().merges, engine.stats().merge_seconds) == (merges, seconds)
+        engine.pause()
+        engine.resume()  # the default forces the re-merge
+        await _greedy(engine, ps, "trainer")
+        assert engine.stats().merges == merges + 1
+        engine.pause()
+        _scale_lora_b(peft_model, "trainer", -3.0)  # through torch: its version counters tell
+        engine.resume(rewritten=False)
+        _assert_same(
+            await _greedy(engine, ps, "trainer"),
+            await _peft_reference(peft_model, tiny_model.tokenizer, ps, "trainer"),
+        )
+        assert engine.stats().merges == merges + 2
+    finally:
+        engine.close()
 
 
 async def test_weight_changes_without_a_pause_are_seen(
@@ -628,9 +660,10 @@ async def test_weight_changes_without_a_pause_are_seen(
     engine = TorchEngine(peft_model, tiny_model.tokenizer, EXACT)
     try:
         await _greedy(engine, ps, "trainer")
-        merges = engine.stats().merges
+        merges, seconds = engine.stats().merges, engine.stats().merge_seconds
         await _greedy(engine, ps, "trainer")
         assert engine.stats().merges == merges  # nothing changed: nothing re-merged
+        assert engine.stats().merge_seconds == seconds
         _scale_lora_b(peft_model, "trainer", -3.0)  # through torch: its version counters tell
         _assert_same(
             await _greedy(engine, ps, "trainer"),

@@ -517,14 +517,7 @@ def _packed(weight: Weight, packs: dict[int, _Packed], merged: LowRank | None) -
     # In inference mode whether or not the caller is (decode steps are, `sync` is not): a pack made
     # in a decode step is an inference tensor, which only inference mode may write in place.
     with torch.inference_mode():
-        if isinstance(weight, torch.Tensor):
-            plain = weight.detach()
-            if merged is not None:  # out of place: `weight` is the trainer's base weight
-                plain = torch.addmm(plain, merged.up_t.t(), merged.down_t.t())
-        else:
-            plain = torch.cat([w.detach() for w in weight])  # our own stacked copy
-            if merged is not None:
-                plain.addmm_(merged.up_t.t(), merged.down_t.t())
+        plain = _plain(weight, merged)
         packed = torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS_HINT)
         del plain  # only the packed layout is kept
         if entry is not None and entry.weight is weight and _same_layout(entry.packed, packed):
@@ -534,6 +527,24 @@ def _packed(weight: Weight, packs: dict[int, _Packed], merged: LowRank | None) -
     stamp = None if merged is None else _update_stamp(merged)
     entry = packs[id(weight)] = _Packed(weight, version, packed, merged, stamp)
     return entry
+
+
+def _plain(weight: Weight, merged: LowRank | None) -> torch.Tensor:
+    """The plain matrix `_packed` packs: `weight` (a group's weights stacked, in order) plus
+    `merged`'s product where not None. Never writes `weight` (the trainer's base weights): the sum
+    goes to a new matrix, each member's rows in one pass (`addmm` into their slice: ~10% less of a
+    train step's re-merge than stacking first and adding after)."""
+    weights = (weight,) if isinstance(weight, torch.Tensor) else weight
+    if merged is None:
+        return weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+    down = merged.down_t.t()
+    plain = weights[0].new_empty(sum(w.shape[0] for w in weights), weights[0].shape[1])
+    start = 0
+    for w in weights:
+        end = start + w.shape[0]
+        torch.addmm(w.detach(), merged.up_t[:, start:end].t(), down, out=plain[start:end])
+        start = end
+    return plain
 
 
 def refresh_packs(model: Any) -> int:

@@ -346,16 +346,19 @@ class TorchEngine:
             while self._busy:
                 self._cond.wait()
 
-    def resume(self) -> None:
+    def resume(self, *, rewritten: bool = True) -> None:
         """Let the worker run batches again, first re-merging the serving copy (no-op if not paused).
 
-        The re-merge runs on the worker (about 0.15 s for SmolLM2), so this returns at once; no
-        batch starts before it is done. The calling thread (the trainer's, typically) hands the
-        CPUs back: its OpenMP workers end (`art_core.engine.openmp.release_thread_pool`).
+        The re-merge runs on the worker (0.15-0.4 s for SmolLM2 on 2 cores), so this returns at
+        once; no batch starts before it is done. `rewritten` False: the caller wrote no weights while
+        paused (a train step that took no optimizer step), so nothing is re-merged; a write through
+        torch would still be seen by its version counters, as between batches. The calling thread
+        (the trainer's, typically) hands the CPUs back: its OpenMP workers end
+        (`art_core.engine.openmp.release_thread_pool`).
         """
         release_thread_pool()
         with self._cond:
-            if self._paused:
+            if self._paused and rewritten:
                 self._resync = self._serving is not None
             self._paused = False
             self._cond.notify_all()
@@ -392,7 +395,7 @@ class TorchEngine:
         """Counters: batches, rows, tokens, largest batch, serving-copy merges, prefix-cache hits."""
         stats, serving, prefix = self._stats, self._serving, self._prefix
         if serving is not None:
-            stats = replace(stats, merges=serving.merges)
+            stats = replace(stats, merges=serving.merges, merge_seconds=serving.merge_seconds)
         if prefix is not None:
             counts = prefix.stats()
             stats = replace(

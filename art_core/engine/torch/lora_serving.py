@@ -163,6 +163,9 @@ class UnmergedWeights:
         self._structure = structure_key(model)
         self.merges = 0
         """How many times `sync` refreshed at least one update (the prefix cache's weight version)."""
+        self.merge_seconds = 0.0
+        """Wall seconds of those syncs, summed: the refreshes and the packs' merges
+        (`EngineStats.merge_seconds`)."""
         self.shared_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         """Bytes of the trainer's tensors the copy serves from (all of its parameters)."""
         self.sync(model)
@@ -200,12 +203,11 @@ class UnmergedWeights:
                     written += 1
         repacked = refresh_packs(self.model) if written and self.packed else 0
         if written:
+            seconds = time.perf_counter() - started
             self.merges += 1
+            self.merge_seconds += seconds
             logger.debug(
-                "refreshed %d LoRA updates (%d packed weights merged) in %.3fs",
-                written,
-                repacked,
-                time.perf_counter() - started,
+                "refreshed %d LoRA updates (%d packed weights merged) in %.3fs", written, repacked, seconds
             )
         return written
 

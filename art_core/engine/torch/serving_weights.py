@@ -118,6 +118,8 @@ class MergedWeights:
         self._entries: dict[str, _Entry] = {}
         self.merges = 0
         """How many times `sync` wrote at least one tensor."""
+        self.merge_seconds = 0.0
+        """Wall seconds of those syncs, summed (`EngineStats.merge_seconds`)."""
         self.shared_bytes = 0
         """Bytes of tensors the copy shares with the source model instead of copying (no LoRA on
         them and already in `dtype`: embeddings, norms, a head without an adapter)."""
@@ -144,13 +146,10 @@ class MergedWeights:
                     entry.stamp = stamp
                     written += 1
         if written:
+            seconds = time.perf_counter() - started
             self.merges += 1
-            logger.debug(
-                "merged %d tensors of adapter %s in %.3fs",
-                written,
-                self.adapter,
-                time.perf_counter() - started,
-            )
+            self.merge_seconds += seconds
+            logger.debug("merged %d tensors of adapter %s in %.3fs", written, self.adapter, seconds)
         return written
 
     def stale(self, model: nn.Module) -> bool:
