@@ -540,6 +540,15 @@ async def _greedy(engine: TorchEngine, ps: list[list[int]], adapter: str | None)
     return list(await asyncio.gather(*[one(engine, p, WITH_LOGPROBS, adapter) for p in ps]))
 
 
+async def _assert_serves_the_trainer(
+    engine: TorchEngine, peft_model: Any, tokenizer: Any, ps: list[list[int]]
+) -> None:
+    """The engine's greedy "trainer" completions are peft's own from the model's current weights."""
+    _assert_same(
+        await _greedy(engine, ps, "trainer"), await _peft_reference(peft_model, tokenizer, ps, "trainer")
+    )
+
+
 async def _peft_reference(
     model: Any, tokenizer: Any, ps: list[list[int]], adapter: str | None
 ) -> list[Completion]:
@@ -643,10 +652,7 @@ async def test_a_resume_after_writing_nothing_re_merges_nothing_yet_sees_tracked
         engine.pause()
         _scale_lora_b(peft_model, "trainer", -3.0)  # through torch: its version counters tell
         engine.resume(rewritten=False)
-        _assert_same(
-            await _greedy(engine, ps, "trainer"),
-            await _peft_reference(peft_model, tiny_model.tokenizer, ps, "trainer"),
-        )
+        await _assert_serves_the_trainer(engine, peft_model, tiny_model.tokenizer, ps)
         assert engine.stats().merges == merges + 2
     finally:
         engine.close()
@@ -665,16 +671,10 @@ async def test_weight_changes_without_a_pause_are_seen(
         assert engine.stats().merges == merges  # nothing changed: nothing re-merged
         assert engine.stats().merge_seconds == seconds
         _scale_lora_b(peft_model, "trainer", -3.0)  # through torch: its version counters tell
-        _assert_same(
-            await _greedy(engine, ps, "trainer"),
-            await _peft_reference(peft_model, tiny_model.tokenizer, ps, "trainer"),
-        )
+        await _assert_serves_the_trainer(engine, peft_model, tiny_model.tokenizer, ps)
         _scale_lora_b(peft_model, "trainer", 0.5, through_data=True)  # invisible: the caller says so
         engine.weights_updated()
-        _assert_same(
-            await _greedy(engine, ps, "trainer"),
-            await _peft_reference(peft_model, tiny_model.tokenizer, ps, "trainer"),
-        )
+        await _assert_serves_the_trainer(engine, peft_model, tiny_model.tokenizer, ps)
     finally:
         engine.close()
 
@@ -718,10 +718,7 @@ async def test_prompts_seen_before_reuse_their_cache_until_the_adapter_changes(
         stats = engine.stats()
         assert stats.cached_prompt_tokens == sum(len(p) - 1 for p in ps)  # all but each last token
         _scale_lora_b(peft_model, "trainer", -3.0)  # a train step: the cached keys are stale now
-        _assert_same(
-            await _greedy(engine, ps, "trainer"),
-            await _peft_reference(peft_model, tiny_model.tokenizer, ps, "trainer"),
-        )
+        await _assert_serves_the_trainer(engine, peft_model, tiny_model.tokenizer, ps)
         after = engine.stats()
         assert (
             after.prompt_tokens > stats.prompt_tokens
