@@ -393,8 +393,8 @@ class ModelService:
             if request_key is not None and hosted.storage.request_key(hosted.step) == request_key:
                 return _replayed(hosted)
             started, step = time.perf_counter(), hosted.step + 1
-            timer, rollout_s = PhaseTimer(), rollout_seconds(groups, time.time())
-            rollout_s.update(_remerge_seconds(hosted))
+            timer = PhaseTimer()  # the phases of this call; `before`: those since the previous call
+            before = {**rollout_seconds(groups, time.time()), **_remerge_seconds(hosted)}
             prepared = prepare_batch(
                 groups,
                 scale_rewards=config.scale_rewards,
@@ -405,7 +405,7 @@ class ModelService:
             hosted.engine.pause()
 
             def record(checkpoint_s: float) -> dict[str, Any]:
-                seconds = {**rollout_s, **timer.seconds, "checkpoint": checkpoint_s}
+                seconds = {**before, **timer.seconds, "checkpoint": checkpoint_s}
                 return train_record(step, groups, prepared.metrics, metrics, seconds)
 
             rewritten = True  # until the trainer says it took no optimizer step
@@ -436,7 +436,7 @@ class ModelService:
                     self._commit(hosted, step, groups, record, request_key)
             if not overlap:
                 notify("checkpoint", {"step": float(hosted.step)})
-            seconds = {**rollout_s, **timer.seconds, "step": time.perf_counter() - started}
+            seconds = {**before, **timer.seconds, "step": time.perf_counter() - started}
             if overlap:
                 seconds["checkpoint_wait"] = waited
             final = train_record(step, groups, prepared.metrics, metrics, seconds)
