@@ -607,12 +607,12 @@ def _remerge_seconds(hosted: HostedModel) -> dict[str, float]:
     """`{"remerge": seconds}`: how long one TorchEngine's serving copy spent being merged again
     since the previous train call (or since registration). `resume()` leaves it to the
     engine's thread, which merges as the train call returns, before it decodes the next step's
-    requests: it overlaps the next `time/rollout_s` and is in no train call. `{}` for replicas
-    (`publish()` merges inside `time/publish_s`), vLLM, and an engine without a serving copy."""
-    stats = getattr(hosted.engine, "stats", None)
-    if hosted.copies is not None or hosted.adapters is not None or stats is None:
+    requests: it overlaps the next `time/rollout_s` and is in no train call. `{}` for an engine
+    without a serving copy, for vLLM (its own copy) and for replicas (each merges on its own thread
+    or process, at the same time, so their summed seconds are no wall time)."""
+    if not isinstance(hosted.engine, TorchEngine):
         return {}
-    total = float(stats().merge_seconds)
+    total = hosted.engine.stats().merge_seconds
     seconds, hosted.merge_seconds = total - hosted.merge_seconds, total
     return {"remerge": seconds} if total > 0 else {}
 
