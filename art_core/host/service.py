@@ -427,7 +427,7 @@ class ModelService:
                         hosted.engine.resume(rewritten=rewritten)
                     else:
                         hosted.engine.resume()
-            trained = bool(metrics.get("trained", 0))
+            trained = rewritten  # the trainer took its optimizer step
             notify("train", metrics)
             warnings = _step_warnings(step, prepared, metrics)
             overlap = background_commit and hosted.adapters is None and _overlaps(self.serving)
