@@ -139,8 +139,9 @@ def describe_split(split: Mapping[str, float]) -> str:
         return "per step: no train step recorded"
     names = {"rollout": "rollouts", "train": "train", "publish": "publish", "checkpoint": "checkpoint"}
     parts = [f"{label} {split[key]:.2f} s" for key, label in names.items() if key in split]
-    if "remerge" in split and "rollout" in split:
-        parts[0] += f" (the served weights' re-merge, {split['remerge']:.2f} s, ran as they began)"
+    if "remerge" in split and "publish" in split:
+        index = list(k for k in names if k in split).index("publish")
+        parts[index] += f" (the served weights' re-merge {split['remerge']:.2f} s)"
     if "checkpoint_overlapped" in split:
         parts[-1] += (
             f" ({split['checkpoint_overlapped']:.2f} s of it during the next rollouts; "

@@ -96,8 +96,8 @@ class HostedModel:
     commits: BackgroundCommit = field(init=False)
     """The step commit in flight, if any (`TorchServing.overlap_checkpoint`; see `host.commits`)."""
     merge_seconds: float = 0.0
-    """One TorchEngine: its `EngineStats.merge_seconds` at the last train call, so that the next
-    records the re-merges in between (`time/remerge_s`)."""
+    """One TorchEngine: its `EngineStats.merge_seconds` after the last train call's re-merge, so
+    that the next records its own re-merge and any in between (`time/remerge_s`)."""
 
     def __post_init__(self) -> None:
         self.commits = BackgroundCommit(self.spec.name)
@@ -394,7 +394,8 @@ class ModelService:
                 return _replayed(hosted)
             started, step = time.perf_counter(), hosted.step + 1
             timer = PhaseTimer()  # the phases of this call; `before`: those since the previous call
-            before = {**rollout_seconds(groups, time.time()), **_remerge_seconds(hosted)}
+            before = rollout_seconds(groups, time.time())
+            remerge: dict[str, float] = {}  # this step's re-merge, inside `publish` (`resume`)
             prepared = prepare_batch(
                 groups,
                 scale_rewards=config.scale_rewards,
@@ -405,7 +406,7 @@ class ModelService:
             hosted.engine.pause()
 
             def record(checkpoint_s: float) -> dict[str, Any]:
-                seconds = {**before, **timer.seconds, "checkpoint": checkpoint_s}
+                seconds = {**before, **remerge, **timer.seconds, "checkpoint": checkpoint_s}
                 return train_record(step, groups, prepared.metrics, metrics, seconds)
 
             rewritten = True  # until the trainer says it took no optimizer step
@@ -425,6 +426,7 @@ class ModelService:
                 with timer("publish"):  # torch: the live adapter is the trained one; serving resumes
                     if isinstance(hosted.engine, TorchEngine):  # a step that trained nothing: no re-merge
                         hosted.engine.resume(rewritten=rewritten)
+                        remerge = _remerge_seconds(hosted)
                     else:
                         hosted.engine.resume()
             trained = rewritten  # the trainer took its optimizer step
@@ -436,7 +438,7 @@ class ModelService:
                     self._commit(hosted, step, groups, record, request_key)
             if not overlap:
                 notify("checkpoint", {"step": float(hosted.step)})
-            seconds = {**before, **timer.seconds, "step": time.perf_counter() - started}
+            seconds = {**before, **remerge, **timer.seconds, "step": time.perf_counter() - started}
             if overlap:
                 seconds["checkpoint_wait"] = waited
             final = train_record(step, groups, prepared.metrics, metrics, seconds)
@@ -605,11 +607,10 @@ def _replayed(hosted: HostedModel) -> TrainResult:
 
 def _remerge_seconds(hosted: HostedModel) -> dict[str, float]:
     """`{"remerge": seconds}`: how long one TorchEngine's serving copy spent being merged again
-    since the previous train call (or since registration). `resume()` leaves it to the
-    engine's thread, which merges as the train call returns, before it decodes the next step's
-    requests: it overlaps the next `time/rollout_s` and is in no train call. `{}` for an engine
-    without a serving copy, for vLLM (its own copy) and for replicas (each merges on its own thread
-    or process, at the same time, so their summed seconds are no wall time)."""
+    since the previous call (or since registration): the re-merge `resume()` runs, within this
+    train call's `publish`, plus any the worker ran between calls (`weights_updated`). `{}` for
+    an engine without a serving copy, for vLLM (its own copy) and for replicas (each merges on
+    its own thread or process, at the same time, so their summed seconds are no wall time)."""
     if not isinstance(hosted.engine, TorchEngine):
         return {}
     total = hosted.engine.stats().merge_seconds

@@ -29,10 +29,10 @@ ART 0.5's names:
 |                                       | `train` call                                                  |
 | `time/checkpoint_wait_s`              | background commit only: how long this `train` call waited for |
 |                                       | the previous step's commit (the part of it not overlapped)    |
-| `time/remerge_s`                      | one torch engine: its serving copy's merge of the previous    |
-|                                       | step's weights, on the engine's thread as the previous train  |
-|                                       | call returned: this step's first requests waited for it       |
-|                                       | (overlaps `time/rollout_s`; in no train call)                 |
+| `time/remerge_s`                      | one torch engine: its serving copy's merge of this step's     |
+|                                       | weights (part of `time/publish_s`: the engine resumes after   |
+|                                       | it), plus any merge between train calls; 0.0 after a step     |
+|                                       | that trained nothing                                          |
 
 With the background commit (`TorchServing.overlap_checkpoint`, the default for in-process calls)
 step n's `time/checkpoint_s` runs during step n+1's rollouts and is not in step n's `time/step_s`;

@@ -16,8 +16,8 @@ by oneDNN-packed copies (q/k/v and gate/up stacked, as the merged copy fuses the
 merged copy's place in memory: in float32 with the update merged into them
 (`decode_step.merges_into_pack`: two small matmuls a projection fewer per step, ~10% of a 32-row
 step on an AVX2 CPU), so `sync()` merges each changed update into its packed copy, in the same
-buffer (~0.2-0.3 s for SmolLM2-135M on 2 cores, once per train step); in bf16 the packs are the base
-weights' alone, made once, and the update is added beside them.
+buffer (~0.15 s for SmolLM2-135M on 2 AVX2 cores, once per train step: `packed_layout`); in
+bf16 the packs are the base weights' alone, made once, and the update is added beside them.
 
 Same staleness contract as `MergedWeights`: `sync()` compares the version counters of the
 adapter's tensors (and their scale) and refreshes the updates that changed; the trainer changes

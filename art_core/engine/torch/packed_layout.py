@@ -1,0 +1,105 @@
+"""Writing a LoRA-merged weight straight into its oneDNN-packed copy, where the layout is known.
+
+`decode_step` multiplies by oneDNN-packed weights (`torch.ops.mkldnn._reorder_linear_weight`),
+and in float32 the serving copy's LoRA update is merged into them (`decode_step.merges_into_pack`).
+After every train step each merged pack is rewritten. Through oneDNN that is three passes over the
+425 MB of SmolLM2-135M's projections: `W + U D` into a plain matrix, the reorder into a new packed
+tensor, and a copy of that into the old pack's buffer (kept so a re-merge leaves the heap as it
+was). On an AVX2 CPU (2 threads) those take ~40, ~120 and ~80 ms.
+
+For float32 on CPUs without native bf16 (the CPUs that serve float32 packs) oneDNN's layout is a
+plain blocking of the output rows: the packed buffer of an [O, I] weight is [O / b, I, b], block j
+holding rows j*b .. j*b+b-1 transposed (b = 64 for SmolLM2's shapes, 16 for some narrow ones).
+Where that holds, `write_merged` writes `W + U D` into the existing buffer in two passes: each
+block's `W_j^T`, then `D^T U_j^T` added by one batched matmul (~95 ms in all for SmolLM2-135M).
+
+The layout is never assumed: `blocked_rows` packs two probe matrices of the weight's exact shape
+(each element's row index, and its column index) and accepts a block size only if the packed
+buffer is exactly that blocking of both. Anything else (another ISA's layout, padding, bf16)
+answers None, and the caller packs through oneDNN as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+import torch
+
+
+@functools.cache
+def blocked_rows(rows: int, cols: int, dtype: torch.dtype, rows_hint: int) -> int | None:
+    """The block size b if oneDNN packs an float32 [rows, cols] weight (for `rows_hint` rows) as
+    [rows / b, cols, b] on this CPU, else None. Probed once per shape and process."""
+    if dtype != torch.float32 or max(rows, cols) >= 2**24:  # the probes' indices must be exact
+        return None
+    row_index = torch.arange(rows, dtype=dtype).unsqueeze(1).expand(rows, cols).contiguous()
+    col_index = torch.arange(cols, dtype=dtype).expand(rows, cols).contiguous()
+    with torch.inference_mode():
+        packed_rows = torch.ops.mkldnn._reorder_linear_weight(row_index, rows_hint)
+        packed_cols = torch.ops.mkldnn._reorder_linear_weight(col_index, rows_hint)
+        raw_rows, raw_cols = raw_buffer(packed_rows), raw_buffer(packed_cols)
+        if raw_rows is None or raw_cols is None or raw_rows.numel() != rows * cols:
+            return None
+        # the first element is row 0, column 0; the next column starts after one block of rows
+        later_columns = torch.nonzero(raw_cols != 0)
+        block = rows if later_columns.numel() == 0 else int(later_columns[0])
+        if block == 0 or rows % block != 0:
+            return None
+        blocks = rows // block
+        expected_rows = row_index.view(blocks, block, cols).transpose(1, 2)
+        expected_cols = col_index.view(blocks, block, cols).transpose(1, 2)
+        same = torch.equal(raw_rows.view(blocks, cols, block), expected_rows) and torch.equal(
+            raw_cols.view(blocks, cols, block), expected_cols
+        )
+        del raw_rows, raw_cols  # the views of the probes' buffers go before the probes
+    return block if same else None
+
+
+def raw_buffer(packed: torch.Tensor) -> torch.Tensor | None:
+    """A flat float32 CPU tensor over `packed`'s own memory (an mkldnn tensor), None where torch
+    does not expose it. It does not keep `packed` alive: use it only while `packed` is held."""
+    ops = torch.ops.mkldnn
+    if not (packed.is_mkldnn and packed.dtype == torch.float32):
+        return None
+    if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
+        return None
+    address, nbytes = int(ops.data_ptr(packed)), int(ops._nbytes(packed))
+    if address == 0 or nbytes % 4:
+        return None
+    array = np.ctypeslib.as_array((ctypes.c_float * (nbytes // 4)).from_address(address))
+    return torch.from_numpy(array)
+
+
+def write_merged(
+    packed: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    up_t: torch.Tensor | None,
+    down_t: torch.Tensor | None,
+    rows_hint: int,
+) -> bool:
+    """Write `cat(weights) + up_t.T @ down_t.T` (`up_t` None: the weights alone) into `packed`, the
+    oneDNN-packed copy of a float32 weight of that shape, in place; False (nothing written) where
+    its layout is not a known blocking (`blocked_rows`) or a member's rows do not start a block.
+    `up_t` is [rank, rows], `down_t` [cols, rank] (`decode_step.LowRank`'s)."""
+    rows, cols = sum(w.shape[0] for w in weights), weights[0].shape[1]
+    if tuple(packed.shape) != (rows, cols) or any(w.dtype != torch.float32 for w in weights):
+        return False
+    block = blocked_rows(rows, cols, torch.float32, rows_hint)
+    if block is None or any(w.shape[0] % block for w in weights):
+        return False
+    raw = raw_buffer(packed)
+    if raw is None or raw.numel() != rows * cols:
+        return False
+    target = raw.view(rows // block, cols, block)
+    start = 0
+    for weight in weights:
+        end = start + weight.shape[0]
+        member = target[start // block : end // block]
+        member.copy_(weight.detach().view(-1, block, cols).transpose(1, 2))
+        if up_t is not None and down_t is not None:
+            ups = up_t[:, start:end].unflatten(1, (-1, block)).transpose(0, 1)  # [blocks, rank, b]
+            member.baddbmm_(down_t.expand(member.shape[0], *down_t.shape), ups)
+        start = end
+    return True
