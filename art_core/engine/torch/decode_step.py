@@ -539,9 +539,8 @@ def _write_in_place(packed: torch.Tensor, weight: Weight, merged: LowRank | None
     reorder where the packed layout is a known blocking (`packed_layout.write_merged`: ~2.5x
     faster than `_plain`, the reorder and the copy back, on an AVX2 CPU); False where not."""
     weights = (weight,) if isinstance(weight, torch.Tensor) else weight
-    if merged is None:
-        return write_merged(packed, weights, None, None, PACK_ROWS_HINT)
-    return write_merged(packed, weights, merged.up_t, merged.down_t, PACK_ROWS_HINT)
+    up_t, down_t = (None, None) if merged is None else (merged.up_t, merged.down_t)
+    return write_merged(packed, weights, up_t, down_t, PACK_ROWS_HINT)
 
 
 def _plain(weight: Weight, merged: LowRank | None) -> torch.Tensor:
