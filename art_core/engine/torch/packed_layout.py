@@ -31,30 +31,33 @@ import torch
 @functools.cache
 def blocked_rows(rows: int, cols: int, dtype: torch.dtype, rows_hint: int) -> int | None:
     """The block size b if oneDNN packs a float32 [rows, cols] weight (for `rows_hint` rows) as
-    [rows / b, cols, b] on this CPU, else None. Probed once per shape and process."""
+    [rows / b, cols, b] on this CPU, else None. Probed once per shape and process, one probe
+    matrix at a time (at most twice the weight's size held meanwhile)."""
     if dtype != torch.float32 or max(rows, cols) >= 2**24:  # the probes' indices must be exact
         return None
-    row_index = torch.arange(rows, dtype=dtype).unsqueeze(1).expand(rows, cols).contiguous()
-    col_index = torch.arange(cols, dtype=dtype).expand(rows, cols).contiguous()
-    with torch.inference_mode():
-        packed_rows = torch.ops.mkldnn._reorder_linear_weight(row_index, rows_hint)
-        packed_cols = torch.ops.mkldnn._reorder_linear_weight(col_index, rows_hint)
-        raw_rows, raw_cols = raw_buffer(packed_rows), raw_buffer(packed_cols)
-        if raw_rows is None or raw_cols is None or raw_rows.numel() != rows * cols:
+    block: int | None = None
+    for probe_columns in (True, False):  # the columns' probe first: it shows the block size
+        if probe_columns:
+            index = torch.arange(cols, dtype=dtype).expand(rows, cols).contiguous()
+        else:
+            index = torch.arange(rows, dtype=dtype).unsqueeze(1).expand(rows, cols).contiguous()
+        with torch.inference_mode():
+            packed = torch.ops.mkldnn._reorder_linear_weight(index, rows_hint)
+            raw = raw_buffer(packed)
+            if raw is None or raw.numel() != rows * cols:
+                return None
+            if block is None:  # row 0 of column 0 first; column 1 starts after one block of rows
+                later = torch.nonzero(raw[: rows + 1] != 0)
+                block = rows if later.numel() == 0 else int(later[0])
+                if block == 0 or rows % block != 0:
+                    return None
+            same = torch.equal(
+                raw.view(rows // block, cols, block), index.view(rows // block, block, cols).transpose(1, 2)
+            )
+            del raw  # the view of the probe's buffer goes before the probe
+        if not same:
             return None
-        # the first element is row 0, column 0; the next column starts after one block of rows
-        later_columns = torch.nonzero(raw_cols != 0)
-        block = rows if later_columns.numel() == 0 else int(later_columns[0])
-        if block == 0 or rows % block != 0:
-            return None
-        blocks = rows // block
-        expected_rows = row_index.view(blocks, block, cols).transpose(1, 2)
-        expected_cols = col_index.view(blocks, block, cols).transpose(1, 2)
-        same = torch.equal(raw_rows.view(blocks, cols, block), expected_rows) and torch.equal(
-            raw_cols.view(blocks, cols, block), expected_cols
-        )
-        del raw_rows, raw_cols  # the views of the probes' buffers go before the probes
-    return block if same else None
+    return block
 
 
 def raw_buffer(packed: torch.Tensor) -> torch.Tensor | None:
