@@ -138,10 +138,12 @@ def describe_split(split: Mapping[str, float]) -> str:
     if not split:
         return "per step: no train step recorded"
     names = {"rollout": "rollouts", "train": "train", "publish": "publish", "checkpoint": "checkpoint"}
-    parts = [f"{label} {split[key]:.2f} s" for key, label in names.items() if key in split]
-    if "remerge" in split and "publish" in split:
-        index = list(k for k in names if k in split).index("publish")
-        parts[index] += f" (the served weights' re-merge {split['remerge']:.2f} s)"
+    notes = (
+        {"publish": f" (the served weights' re-merge {split['remerge']:.2f} s)"} if "remerge" in split else {}
+    )
+    parts = [
+        f"{label} {split[key]:.2f} s{notes.get(key, '')}" for key, label in names.items() if key in split
+    ]
     if "checkpoint_overlapped" in split:
         parts[-1] += (
             f" ({split['checkpoint_overlapped']:.2f} s of it during the next rollouts; "
