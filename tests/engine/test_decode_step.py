@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
-from art_core.engine.torch.decode_step import decode_step, fuse_projections, supports_decode_step
+from art_core.engine.torch.decode_step import (
+    decode_step,
+    fuse_projections,
+    prefill_step,
+    supports_decode_step,
+    supports_prefill_step,
+)
 from art_core.engine.torch.kv_cache import growing_cache
 from art_core.models.loading import LoadedModel
 from art_core.training.config import LoRAConfig
@@ -46,6 +54,95 @@ def _check_steps(model: torch.nn.Module, dtype: torch.dtype) -> None:
             assert_close_to_model(ours, theirs, model, dtype)
             assert_close_to_model(caches[0].layers[0].keys, caches[1].layers[0].keys, model, dtype)
             token = theirs.argmax(-1, keepdim=True)
+
+
+def _check_prefill(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """`prefill_step` against transformers' forward: left-padded prompts, then a second chunk of
+    each on top of the cache (a prompt's rest after a cached prefix), then decode steps; the same
+    logits, and the same keys and values at every position a row attends to."""
+    prompts = [[5, 9, 33, 7, 81, 12], [44, 2, 19], [100, 3, 3, 60, 8, 21, 17, 9, 4]]
+    ids, mask, positions = _padded_batch(prompts)
+    rest = torch.tensor([[7, 8, 9], [0, 2, 3], [0, 0, 6]])  # the rests are left-padded too
+    rest_mask = (rest != 0).long()
+    caches = [growing_cache(model.config, room=8) for _ in range(2)]
+    with torch.inference_mode():
+        for chunk, chunk_mask in ((ids, mask), (rest, rest_mask)):
+            before = 0 if chunk is ids else mask.shape[1]
+            full_mask = chunk_mask if chunk is ids else torch.cat([mask, chunk_mask], dim=1)
+            chunk_positions = (full_mask.cumsum(-1) - 1).clamp(min=0)[:, before:]
+            ours = prefill_step(model, chunk, chunk_positions, full_mask, caches[0])
+            theirs = model(
+                input_ids=chunk,
+                attention_mask=full_mask,
+                position_ids=chunk_positions,
+                cache=caches[1],
+                use_cache=True,
+            )
+            assert ours is not None
+            assert_close_to_model(ours, theirs.logits[:, -1].float(), model, dtype)
+        attended = full_mask.bool()
+        for mine, reference in zip(caches[0].layers, caches[1].layers, strict=True):
+            assert torch.isfinite(mine.keys).all() and torch.isfinite(mine.values).all()  # padding too
+            for kind in ("keys", "values"):
+                ours_kv = getattr(mine, kind).transpose(1, 2)[attended]  # [attended positions, kv heads, D]
+                assert_close_to_model(
+                    ours_kv, getattr(reference, kind).transpose(1, 2)[attended], model, dtype
+                )
+        token, last = torch.tensor([[11], [250], [7]]), full_mask.cumsum(-1)[:, -1:] - 1
+        for _ in range(2):
+            full_mask = torch.cat([full_mask, torch.ones(3, 1, dtype=full_mask.dtype)], dim=1)
+            last = last + 1
+            ours = decode_step(model, token, last, full_mask, caches[0])
+            theirs = (
+                model(
+                    input_ids=token,
+                    attention_mask=full_mask,
+                    position_ids=last,
+                    cache=caches[1],
+                    use_cache=True,
+                )
+                .logits[:, -1]
+                .float()
+            )
+            assert_close_to_model(ours, theirs, model, dtype)
+            token = theirs.argmax(-1, keepdim=True)
+
+
+def test_prefill_step_equals_the_transformers_forward_and_skips_the_head_when_asked(
+    tiny_model: LoadedModel,
+) -> None:
+    model = tiny_model.model.eval()
+    assert supports_prefill_step(model)
+    _check_prefill(model, torch.float32)
+    ids, mask, positions = _padded_batch([[5, 9, 33], [44, 2]])
+    cache = growing_cache(model.config, room=2)
+    with torch.inference_mode():
+        assert prefill_step(model, ids, positions, mask, cache, logits=False) is None
+    assert cache.get_seq_length() == 3  # the keys and values are there all the same
+
+
+@pytest.mark.parametrize(
+    ("make", "dtype"),
+    [
+        (tiny_llama, torch.float32),
+        (tiny_llama, torch.bfloat16),
+        (tiny_qwen3, torch.float32),
+        (tiny_mistral, torch.float32),
+    ],
+    ids=["llama", "llama-bf16", "qwen3", "mistral"],
+)
+def test_prefill_step_of_each_family_equals_the_transformers_forward(
+    make: Callable[[], torch.nn.Module], dtype: torch.dtype
+) -> None:
+    model = make().to(dtype).eval()
+    fuse_projections(model)
+    assert supports_prefill_step(model)
+    _check_prefill(model, dtype)
+
+
+def test_a_model_with_sliding_window_layers_prefills_through_transformers() -> None:
+    model = tiny_gemma3(layers=4, window=4)
+    assert supports_decode_step(model) and not supports_prefill_step(model)
 
 
 def test_qwen2_decode_step_equals_the_transformers_forward(tiny_model: LoadedModel) -> None:

@@ -367,7 +367,8 @@ async def test_worker_error_reaches_the_caller_and_the_engine_recovers(
         handle.remove()
         raise RuntimeError("injected failure")
 
-    handle = tiny_model.model.register_forward_pre_hook(fail_once)
+    # on the embedding: every forward runs it, transformers' and the engine's own steps alike
+    handle = tiny_model.model.get_input_embeddings().register_forward_pre_hook(fail_once)
     with pytest.raises(RuntimeError, match="injected failure"):
         await asyncio.wait_for(one(engine, prompts(tiny_model)[0], GREEDY), timeout=60)
     assert len((await one(engine, prompts(tiny_model)[0], GREEDY)).token_ids) > 0

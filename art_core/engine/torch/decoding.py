@@ -29,7 +29,12 @@ from art_core.engine.finish_reason import FinishReason
 from art_core.engine.grammar import RowConstraint
 from art_core.engine.protocol import Completion
 from art_core.engine.sampling import SamplingParams, chosen_logprobs, sample_next, top_logprobs
-from art_core.engine.torch.decode_step import decode_step, supports_decode_step
+from art_core.engine.torch.decode_step import (
+    decode_step,
+    prefill_step,
+    supports_decode_step,
+    supports_prefill_step,
+)
 from art_core.engine.torch.kv_cache import (
     cache_kwarg,
     drop_leading_columns,
@@ -160,6 +165,8 @@ class DecodeBatch:
         self.cache_kwarg = cache_kwarg(model)
         self.lean = not use_adapter_names and supports_decode_step(model)
         """Decode steps run `decode_step` instead of transformers' forward (same modules, same math)."""
+        self.lean_prefill = self.lean and supports_prefill_step(model)
+        """Prefills run `prefill_step`: the decode steps' (packed) weights, no per-call machinery."""
 
     def forward(
         self,
@@ -167,20 +174,27 @@ class DecodeBatch:
         positions: torch.Tensor,
         rows: list[int] | None = None,
         mask: torch.Tensor | None = None,
+        logits: bool = True,
     ) -> torch.Tensor:
         """Logits [B, V] (float32, on the CPU where rows sample) of the last position, extending the cache.
 
         `rows`: the forward covers only these rows (of the mask and adapter names), e.g. a prefill.
         `mask`: the attention mask to use instead of the batch's (with `rows`: already selected).
+        `logits=False`: nobody reads them (a shared prefix); the lean prefill skips the head, and
+        returns an empty tensor.
         """
         if self.lean and input_ids.shape[1] == 1 and rows is None and mask is None:
             return decode_step(self.model, input_ids.to(self.device), positions, self.mask, self.cache).cpu()
+        if rows is not None and mask is None:
+            mask = self.mask[torch.tensor(rows, device=self.device)]
+        if self.lean_prefill:
+            ids, used = input_ids.to(self.device), self.mask if mask is None else mask
+            out = prefill_step(self.model, ids, positions, used, self.cache, logits=logits)
+            return torch.empty(0) if out is None else out.cpu()
         kwargs: dict[str, Any] = {self.cache_kwarg: self.cache}
         names = self.adapter_names
         if rows is not None:
             names = [names[i] for i in rows]
-            if mask is None:
-                mask = self.mask[torch.tensor(rows, device=self.device)]
         if self.use_adapter_names:
             kwargs["adapter_names"] = names
         # The last position as an index tensor, not `logits_to_keep=1`: the int slices the hidden
@@ -278,7 +292,7 @@ class DecodeBatch:
         rows = [self.rows[i] for i in owners]
         prefix = torch.tensor([rows[0].prompt_ids[:shared]], device=self.device)
         steps = torch.arange(shared, device=self.device)[None]
-        self.forward(prefix, steps, rows=owners[:1], mask=torch.ones_like(prefix))
+        self.forward(prefix, steps, rows=owners[:1], mask=torch.ones_like(prefix), logits=False)
         self.cache.batch_select_indices(torch.zeros(len(rows), dtype=torch.long, device=self.device))
         ids, own_mask = _left_padded([r.prompt_ids[shared:] for r in rows], self.pad_id)
         own_mask = own_mask.to(self.device)

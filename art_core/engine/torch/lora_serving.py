@@ -10,8 +10,9 @@ again for the decode step on top of that (`decode_step.pack_weights`).
 model (a skeleton of the trainer's class) whose every parameter and buffer *is* the trainer's base
 tensor (shared, not copied), and whose LoRA-adapted projections are `UnmergedLinear`s: the base
 layer's weight plus a `decode_step.LowRank` update that holds copies of the adapter's A and scaled
-B (a few hundred KB), refreshed by `sync()` when the trainer changed them. Prefill runs
-transformers' forward through these modules (base product plus update). The decode step multiplies
+B (a few hundred KB), refreshed by `sync()` when the trainer changed them. Where a model has no
+`decode_step` (or no `prefill_step`), transformers' forward runs through these modules (base
+product plus update). The decode and prefill steps multiply
 by oneDNN-packed copies (q/k/v and gate/up stacked, as the merged copy fuses them), which take the
 merged copy's place in memory: in float32 with the update merged into them
 (`decode_step.merges_into_pack`: two small matmuls a projection fewer per step, ~10% of a 32-row
@@ -84,7 +85,7 @@ class _Update:
 
     `parts`: for a fused group, each projection's own `LowRank` (None where it has no LoRA), which
     `refresh` points at views of the stacked tensors, so a group's A and B are copied once, not
-    once for the decode step and again for prefill's modules."""
+    once for the decode step and again for the modules (what transformers' forward runs)."""
 
     def __init__(
         self,
@@ -286,7 +287,7 @@ class UnmergedWeights:
         """With packed weights, let `decode_step` run each layer's q/k/v and gate/up as one packed
         matmul plus one stacked update (as `fuse_projections` does for the merged copy), without a
         stacked plain copy of the weights: only the packed layout is made. The projections' own
-        updates (prefill runs through their modules) become views of the stacked one."""
+        updates (transformers' forward runs through their modules) become views of the stacked one."""
         if not self.packed:
             return
         for index, layer in enumerate(self.model.model.layers):
