@@ -202,7 +202,8 @@ def test_engine_failure_is_a_500(client: openai.OpenAI, tiny_model: LoadedModel)
         handle.remove()
         raise ValueError("injected failure")  # a ValueError inside the engine is still the server's fault
 
-    handle = tiny_model.model.register_forward_pre_hook(fail_once)
+    # on the embedding: every forward runs it, transformers' and the engine's own steps alike
+    handle = tiny_model.model.get_input_embeddings().register_forward_pre_hook(fail_once)
     with pytest.raises(openai.InternalServerError) as exc:
         chat(client)
     _assert_openai_error(exc.value, 500)
