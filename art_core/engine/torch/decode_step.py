@@ -275,10 +275,7 @@ def prefill_step(
     the plain weights (SmolLM2's shapes, 24 rows, 2 AVX2 cores) and without the update's two
     small matmuls a projection; and none of the forward's per-call machinery.
     """
-    if input_ids.shape[1] == 1:
-        hidden = _decoder(model, input_ids, positions, mask, cache)
-    else:
-        hidden = _decoder(model, input_ids, positions, mask, cache, causal=True)
+    hidden = _decoder(model, input_ids, positions, mask, cache, causal=input_ids.shape[1] > 1)
     return _head(model, hidden) if logits else None
 
 
