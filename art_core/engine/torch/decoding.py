@@ -182,14 +182,18 @@ class DecodeBatch:
         `mask`: the attention mask to use instead of the batch's (with `rows`: already selected).
         `logits=False`: nobody reads them (a shared prefix); the lean prefill skips the head, and
         returns an empty tensor.
+
+        One token a row runs `decode_step` (a decode step, or a prompt cached but for its last
+        token), more `prefill_step`, where the model has them; else transformers' forward.
         """
-        if self.lean and input_ids.shape[1] == 1 and rows is None and mask is None:
-            return decode_step(self.model, input_ids.to(self.device), positions, self.mask, self.cache).cpu()
-        if rows is not None and mask is None:
-            mask = self.mask[torch.tensor(rows, device=self.device)]
+        if mask is None:
+            mask = self.mask if rows is None else self.mask[torch.tensor(rows, device=self.device)]
+        if self.lean and input_ids.shape[1] == 1:
+            return decode_step(self.model, input_ids.to(self.device), positions, mask, self.cache).cpu()
         if self.lean_prefill:
-            ids, used = input_ids.to(self.device), self.mask if mask is None else mask
-            out = prefill_step(self.model, ids, positions, used, self.cache, logits=logits)
+            out = prefill_step(
+                self.model, input_ids.to(self.device), positions, mask, self.cache, logits=logits
+            )
             return torch.empty(0) if out is None else out.cpu()
         kwargs: dict[str, Any] = {self.cache_kwarg: self.cache}
         names = self.adapter_names
@@ -204,7 +208,7 @@ class DecodeBatch:
         keep: int | torch.Tensor = 1 if width == 1 else torch.tensor([width - 1], device=self.device)
         out = self.model(
             input_ids=input_ids.to(self.device),
-            attention_mask=self.mask if mask is None else mask,
+            attention_mask=mask,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=keep,
@@ -267,8 +271,6 @@ class DecodeBatch:
         cached = torch.tensor([hit.length for hit in hits], device=self.device)
         self.mask = torch.cat([past_mask, own_mask], dim=1)
         self.positions = cached[:, None] + (own_mask.cumsum(-1) - 1).clamp(min=0)
-        if ids.shape[1] == 1 and self.lean:  # all but every prompt's last token was cached
-            return decode_step(self.model, ids.to(self.device), self.positions, self.mask, self.cache).cpu()
         return self.forward(ids, self.positions, rows=owners, mask=self.mask)
 
     def _remember(self, cache_rows: list[int], sequences: list[list[int]]) -> None:
