@@ -291,6 +291,7 @@ class GroupTrainer(Trainer):
                 "op": "train",
                 "name": self.name,
                 "examples": examples_to_json(batch.examples),
+                "scored_tokens": batch.scored_tokens,
                 "config": config_to_json(config or self.config),
             }
         )

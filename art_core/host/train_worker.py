@@ -70,7 +70,8 @@ def follow(world: World) -> None:
             elif op == "train":
                 examples = examples_from_json(message["examples"])
                 trainers[message["name"]].train_step(
-                    PreparedBatch(examples, {}), config_from_json(message["config"])
+                    PreparedBatch(examples, {}, scored_tokens=message["scored_tokens"]),
+                    config_from_json(message["config"]),
                 )
             elif op == "load":
                 into = Path(scratch) / message["name"]

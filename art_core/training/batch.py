@@ -10,6 +10,12 @@
   because that is a setup problem (client not pointed at our server), not bad luck.
 Examples whose advantage is exactly 0 carry no gradient; they are counted and left out.
 
+The loss is normalised over every *scored* sequence (`PreparedBatch.totals`), not only the trained
+ones: a zero-variance group's sequences and zero-advantage examples count in `num_sequences` and
+`num_tokens` though they add no gradient, as in GRPO's batch mean (and TRL's). So a step in which one
+group of eight carries signal moves the weights an eighth as far as one in which all eight do.
+`LossConfig.normalise_over="trained"` divides by the trained sequences alone instead.
+
 A trajectory without tokens still counts in its group's baseline: its reward is a real outcome of
 the policy (e.g. the agent failed before calling the model), so the others are compared against it.
 """
@@ -52,18 +58,23 @@ class BatchTotals:
     """Normalisers of a whole optimizer batch, so that micro-batch losses sum to the batch loss."""
 
     num_sequences: float
-    """Number of sequences (examples) in the batch."""
+    """Number of sequences the loss is averaged over."""
     num_tokens: float
-    """Number of trained (masked, predictable) tokens in the batch."""
+    """Number of masked (sampled, predictable) tokens in those sequences."""
     max_completion_tokens: float
-    """The largest number of trained tokens in one sequence (Dr. GRPO's constant length)."""
+    """The largest number of masked tokens in one of them (Dr. GRPO's constant length)."""
 
     @classmethod
     def of(cls, examples: Sequence[TrainingExample]) -> BatchTotals:
-        if not examples:
-            raise ValueError("BatchTotals needs at least one example; skip training for an empty batch")
-        counts = [example.sequence.num_trainable for example in examples]
-        return cls(float(len(examples)), float(sum(counts)), float(max(counts)))
+        """Normalisers over `examples` alone (the trained sequences)."""
+        return cls.counting([example.sequence.num_trainable for example in examples])
+
+    @classmethod
+    def counting(cls, masked_tokens: Sequence[int]) -> BatchTotals:
+        """Normalisers over sequences with these numbers of masked tokens."""
+        if not masked_tokens:
+            raise ValueError("BatchTotals needs at least one sequence; skip training for an empty batch")
+        return cls(float(len(masked_tokens)), float(sum(masked_tokens)), float(max(masked_tokens)))
 
 
 @dataclass(frozen=True)
@@ -76,11 +87,31 @@ class PreparedBatch:
     """Reward statistics and counts: groups_*, trajectories_*, sequences_*, examples*, tokens_trained."""
     warnings: list[str] = field(default_factory=list)
     """One human-readable line per skipped group, trajectory or sequence."""
+    scored_tokens: list[int] | None = None
+    """Masked tokens of every scored sequence that fits the context: the examples, zero-advantage
+    ones and those of zero-variance groups (the loss's normalisers count them all). None (a batch
+    built by hand): the examples are all that was scored."""
 
     @property
     def totals(self) -> BatchTotals:
-        """Whole-batch normalisers; raises ValueError when there are no examples."""
-        return BatchTotals.of(self.examples)
+        """Normalisers over every scored sequence; ValueError when there are none."""
+        if self.scored_tokens is None:
+            return BatchTotals.of(self.examples)
+        if len(self.scored_tokens) < len(self.examples):
+            raise ValueError(
+                f"{len(self.examples)} examples but {len(self.scored_tokens)} scored sequences: "
+                "scored_tokens must list every example's masked tokens and those of the untrained "
+                "sequences scored with them"
+            )
+        return BatchTotals.counting(self.scored_tokens)
+
+    def normalisers(self, over: str) -> BatchTotals:
+        """`totals` for over="scored", `BatchTotals.of(examples)` for over="trained"."""
+        if over == "trained":
+            return BatchTotals.of(self.examples)
+        if over == "scored":
+            return self.totals
+        raise ValueError(f"normalise over 'scored' or 'trained' sequences, got {over!r}")
 
 
 @dataclass
@@ -89,6 +120,7 @@ class _Tally:
 
     counts: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    scored_tokens: list[int] = field(default_factory=list)
 
     def skip(self, counter: str, message: str, level: int = logging.WARNING) -> None:
         self.counts[counter] = self.counts.get(counter, 0.0) + 1.0
@@ -107,6 +139,7 @@ _COUNTERS = (
     "rollout_exceptions",
     "rollouts_context_exceeded",
     "sequences_total",
+    "sequences_scored",
     "sequences_too_long",
     "examples_zero_advantage",
     "examples",
@@ -218,7 +251,10 @@ def prepare_batch(
         tally.warnings.append("no groups were given, so there is nothing to train on")
     tally.counts["examples"] = float(len(examples))
     tally.counts["tokens_trained"] = float(sum(example.sequence.num_trainable for example in examples))
-    return PreparedBatch(examples, {**_reward_stats(rewards), **tally.counts}, tally.warnings)
+    tally.counts["sequences_scored"] = float(len(tally.scored_tokens))
+    return PreparedBatch(
+        examples, {**_reward_stats(rewards), **tally.counts}, tally.warnings, tally.scored_tokens
+    )
 
 
 def _group_examples(
@@ -242,6 +278,9 @@ def _group_examples(
         return []
     result = group_advantages(rewards, scale=scale_rewards)
     if result.zero_variance:
+        tally.scored_tokens.extend(
+            seq.num_trainable for seqs in sequences for seq in seqs or [] if len(seq) <= max_context
+        )
         tally.skip(
             "groups_zero_variance",
             f"group {gi} skipped: all {len(rewards)} rewards equal {rewards[0]!r} (zero variance, no signal); "
@@ -259,10 +298,12 @@ def _group_examples(
                     f"group {gi}, trajectory {ti}, sequence {si} skipped: {len(seq)} tokens exceed the "
                     f"model's context of {max_context}; shorten rollouts (max_tokens, fewer turns)",
                 )
-            elif advantage == 0.0:
-                tally.counts["examples_zero_advantage"] += 1
             else:
-                examples.append(TrainingExample(seq, advantage, gi, ti))
+                tally.scored_tokens.append(seq.num_trainable)
+                if advantage == 0.0:
+                    tally.counts["examples_zero_advantage"] += 1
+                else:
+                    examples.append(TrainingExample(seq, advantage, gi, ti))
     if examples:
         tally.counts["groups_trainable"] += 1
     return examples

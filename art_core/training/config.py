@@ -47,6 +47,11 @@ class LossConfig:
     tis_cap: float | None = 2.0
     """Truncated importance sampling: per-token weight min(exp(old_logprobs - engine_logprobs), tis_cap);
     None disables it (weight 1)."""
+    normalise_over: str = "scored"
+    """Which sequences the loss is averaged over (`num_sequences`, `num_tokens`): "scored", every
+    sequence of the step's scored groups, zero-variance groups included, as in GRPO's batch mean
+    and TRL; or "trained", only those with a non-zero advantage, which makes a step with one
+    informative group as large as one where all are (closer to ART's advantage rescaling)."""
 
     def __post_init__(self) -> None:
         if self.name not in DEFAULT_EPSILONS:
@@ -58,6 +63,8 @@ class LossConfig:
                 )
         if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
             raise ValueError(f"kl_coef must be a finite number >= 0 (0 disables KL), got {self.kl_coef}")
+        if self.normalise_over not in ("scored", "trained"):
+            raise ValueError(f"normalise_over must be 'scored' or 'trained', got {self.normalise_over!r}")
         if self.tis_cap is not None and not (math.isfinite(self.tis_cap) and self.tis_cap > 0):
             raise ValueError(
                 f"tis_cap must be a finite number > 0, or None to disable TIS, got {self.tis_cap}"

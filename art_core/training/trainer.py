@@ -315,7 +315,7 @@ class Trainer:
             self.config = config
         if not batch.examples:
             return {"trained": 0.0}
-        totals = batch.totals
+        totals = batch.normalisers(self.config.loss.normalise_over)
         chunks = self._micro_batches(batch.examples)
         try:
             with self._own_rng():

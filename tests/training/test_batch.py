@@ -11,6 +11,7 @@ from art_core.rollouts.groups import TrajectoryGroup
 from art_core.rollouts.records import History, Trajectory, Turn
 from art_core.training.batch import (
     BatchTotals,
+    PreparedBatch,
     TrainingExample,
     collate,
     group_micro_batches,
@@ -96,8 +97,41 @@ def test_zero_variance_group_is_a_counted_skip() -> None:
 def test_only_zero_variance_groups_give_an_empty_batch_with_reasons() -> None:
     batch = prepare_batch([group(trajectory(0.0), trajectory(0.0))], scale_rewards=True, max_context=100)
     assert batch.examples == [] and batch.metrics["groups_zero_variance"] == 1 and batch.warnings
-    with pytest.raises(ValueError, match="at least one example"):
-        _ = batch.totals
+    with pytest.raises(ValueError, match="at least one sequence"):
+        _ = batch.normalisers("trained")
+
+
+def test_the_normalisers_count_every_scored_sequence_not_only_the_trained_ones() -> None:
+    """GRPO's batch mean: a zero-variance group's sequences and a zero-advantage example add no
+    gradient but count in num_sequences, num_tokens and the longest completion; a sequence over
+    the context, an unscored group and a trajectory without tokens do not."""
+    groups = [
+        group(trajectory(1.0), trajectory(0.0)),  # trained: 2 + 2 tokens
+        group(trajectory(0.0, completion=(5, 6, 7)), trajectory(0.0, completion=(5, 6, 7, 8, 9))),
+        group(trajectory(2.0), trajectory(0.0), trajectory(1.0, completion=(5,))),  # A=0 for the last
+        group(trajectory(1.0, completion=tuple(range(3, 40))), trajectory(1.0)),  # one too long
+        TrajectoryGroup([trajectory(None), trajectory(None)], metrics={"ruler_errors": 1}),
+        group(trajectory(1.0), no_tokens(0.0)),
+    ]
+    batch = prepare_batch(groups, scale_rewards=False, max_context=20)
+    assert batch.metrics["examples"] == 5 and batch.metrics["examples_zero_advantage"] == 1
+    scored = [2, 2, 3, 5, 2, 2, 1, 2, 2]
+    assert sorted(batch.scored_tokens or []) == sorted(scored)
+    assert batch.metrics["sequences_scored"] == len(scored)
+    assert batch.totals == BatchTotals(float(len(scored)), float(sum(scored)), 5.0)
+    assert batch.normalisers("scored") == batch.totals
+    assert batch.normalisers("trained") == BatchTotals(5.0, 10.0, 2.0) == BatchTotals.of(batch.examples)
+    with pytest.raises(ValueError, match="'scored' or 'trained'"):
+        batch.normalisers("all")
+
+
+def test_a_hand_built_batch_is_normalised_by_its_examples_and_checked() -> None:
+    examples = prepare_batch(
+        [group(trajectory(1.0), trajectory(0.0))], scale_rewards=True, max_context=100
+    ).examples
+    assert PreparedBatch(examples, {}).totals == BatchTotals.of(examples)
+    with pytest.raises(ValueError, match="2 examples but 1 scored sequences"):
+        _ = PreparedBatch(examples, {}, scored_tokens=[2]).totals
 
 
 def test_trajectory_without_tokens_is_skipped_when_others_have_tokens() -> None:

@@ -398,6 +398,8 @@ def test_config_errors_are_clear() -> None:
         LossConfig(kl_coef=math.nan)
     with pytest.raises(ValueError, match="tis_cap"):
         LossConfig(tis_cap=0.0)
+    with pytest.raises(ValueError, match="normalise_over must be 'scored' or 'trained', got 'all'"):
+        LossConfig(normalise_over="all")
 
 
 def test_batch_errors_are_clear() -> None:

@@ -13,7 +13,9 @@ from peft import PeftModel
 from torch import nn
 
 from art_core.models.loading import LoadedModel
-from art_core.training.batch import BatchTotals, PreparedBatch, collate, micro_batches
+from art_core.rollouts.groups import TrajectoryGroup
+from art_core.rollouts.records import Trajectory, Turn
+from art_core.training.batch import BatchTotals, PreparedBatch, collate, micro_batches, prepare_batch
 from art_core.training.config import LoRAConfig, LossConfig, TrainConfig
 from art_core.training.lora import attach_lora
 from art_core.training.trainer import Trainer
@@ -146,6 +148,42 @@ def test_two_micro_batches_give_the_same_gradients_as_one(tiny_model: LoadedMode
     )
     for a, b in zip(one, many, strict=True):  # gradients: through the forward and the backward
         assert_close_to_model(b, a, trainer.model, torch.float32, backward=True)
+
+
+def groups_with_idle(idle: int) -> list[TrajectoryGroup]:
+    """Two groups of four with rewards 1/0/1/0, then `idle` groups whose four rewards are equal."""
+    generator = torch.Generator().manual_seed(0)
+    result = []
+    for g in range(2 + idle):
+        prompt = torch.randint(10, 2000, (6,), generator=generator).tolist()
+        trajectories = []
+        for i in range(4):
+            completion = torch.randint(10, 2000, (3 + 2 * i,), generator=generator).tolist()
+            turn = Turn(prompt_ids=prompt, completion_ids=completion, logprobs=[math.nan] * len(completion))
+            trajectories.append(Trajectory(turns=[turn], reward=float(i % 2) if g < 2 else 1.0))
+        result.append(TrajectoryGroup(trajectories))
+    return result
+
+
+@pytest.mark.parametrize("over", ["scored", "trained"])
+def test_a_zero_variance_group_counts_in_the_loss_mean_unless_told_otherwise(
+    tiny_model: LoadedModel, over: str
+) -> None:
+    """GRPO's batch mean: two idle groups beside two informative ones halve the gradient (the
+    same examples train, over 16 sequences instead of 8); normalised over the trained ones alone
+    ("trained"), the gradient does not change."""
+    config = TrainConfig(learning_rate=1e-2, loss=LossConfig(tis_cap=None, normalise_over=over))
+    norms = []
+    for idle in (0, 2):
+        trainer = make_trainer(tiny_model, config)
+        randomize_lora(trainer)
+        batch = prepare_batch(groups_with_idle(idle), scale_rewards=True, max_context=2048)
+        assert len(batch.examples) == 8 and batch.metrics["sequences_scored"] == 8 + 4 * idle
+        norms.append(trainer.train_step(batch)["grad_norm"])
+    expected = norms[0] / 2 if over == "scored" else norms[0]
+    assert norms[1] == pytest.approx(
+        expected, abs=model_tolerance(tiny_model.model, torch.float32, scale=norms[0], backward=True)
+    )
 
 
 def test_kl_metrics_reported_and_zero_without_adapter_change(tiny_model: LoadedModel) -> None:
