@@ -18,10 +18,12 @@ the median over seeds.
   (its linear decay kept a toy task flat) and `bf16=False` (`use_cpu=True`; bf16 autocast on a CPU
   without native bf16 is ~50x slower). Gradient checkpointing stays at TRL's default. Rollouts are
   TRL's own `generate`.
+- Both average the "grpo" loss over every sequence of the step, zero-variance groups included
+  (ours: `LossConfig.normalise_over="scored"`, the default since the fifteenth session).
 
-Times include loading the model (both sides load the same cached safetensors folder). Each run is
-its own subprocess (this file with `--worker`), ours and TRL alternating seed by seed, so load from
-other programs on a shared machine hits both alike. A run that never reaches the target within
+Times include loading the model (both sides load the same cached safetensors folder, built before
+the first run). Each run is its own subprocess (this file with `--worker`), ours and TRL alternating
+seed by seed, so load from other programs on a shared machine hits both alike. A run that never reaches the target within
 `--max-steps` counts with its full time and `--max-steps` + 1 steps (a lower bound: the medians then
 say ">="), and the JSON says how many runs reached it. The last line is JSON:
 `{"ours_s", "trl_s", "ratio", "ours_steps", "trl_steps", "seeds", ...}` with ratio = ours_s / trl_s.
@@ -42,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from machine import machine_header  # bench/ is on sys.path when a bench script runs
+
+from art_core.training.config import LossConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,6 +171,15 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
     return _result(rewards, reached, time.perf_counter() - started)
 
 
+def _build_model_cache(model: str) -> None:
+    """Convert the model into our cache now, in a process of its own, so that no timed run (the
+    first one, ours) pays for building the folder both sides load."""
+    code = (
+        "import sys; from art_core.models.loading import resolve_model_path; resolve_model_path(sys.argv[1])"
+    )
+    subprocess.run([sys.executable, "-c", code, model], check=True, cwd=ROOT)
+
+
 def run_worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -229,11 +242,14 @@ def main() -> None:
         f"task: art demo ({args.model}, 4 scenarios x 8 rollouts, 24 tokens, LoRA r=16, lr 3e-4); "
         f"target: a step's mean reward >= {args.target} within {args.max_steps} steps; {args.threads} threads"
     )
+    loss = LossConfig()
+    print(f"ours: run_demo, loss {loss.name} averaged over the {loss.normalise_over} sequences")
     print("trl: GRPOTrainer, use_cpu=True, bf16=False, lr_scheduler_type=constant, beta=0, epsilon=0.2, "
           "gradient checkpointing at its default", flush=True)  # fmt: skip
     load = os.getloadavg()[0]
     if load > 0.5:
         print(f"note: load average {load:.1f} before the run (a shared machine): times are noisy", flush=True)
+    _build_model_cache(args.model)
     names = [args.only] if args.only else ["ours", "trl"]
     runs: list[dict[str, Any]] = []
     for seed in range(args.seeds):

@@ -626,9 +626,13 @@ def _write_in_place(packed: torch.Tensor, weight: Weight, merged: LowRank | None
     """Write `weight` plus `merged`'s product into `packed`, its old packed copy, without oneDNN's
     reorder where the packed layout is a known blocking (`packed_layout.write_merged`: ~2.5x
     faster than `_plain`, the reorder and the copy back, on an AVX2 CPU); False where not."""
-    weights = (weight,) if isinstance(weight, torch.Tensor) else weight
     up_t, down_t = (None, None) if merged is None else (merged.up_t, merged.down_t)
-    return write_merged(packed, weights, up_t, down_t, PACK_ROWS_HINT)
+    return write_merged(packed, _members(weight), up_t, down_t, PACK_ROWS_HINT)
+
+
+def _members(weight: Weight) -> tuple[torch.Tensor, ...]:
+    """The matrices a `Weight` stands for: itself, or a group's, in order."""
+    return (weight,) if isinstance(weight, torch.Tensor) else weight
 
 
 def _plain(weight: Weight, merged: LowRank | None) -> torch.Tensor:
@@ -636,7 +640,7 @@ def _plain(weight: Weight, merged: LowRank | None) -> torch.Tensor:
     `merged`'s product where not None. Never writes `weight` (the trainer's base weights): the sum
     goes to a new matrix, each member's rows in one pass (`addmm` into their slice: a train step's
     re-merge ~7% shorter than stacking first and adding after)."""
-    weights = (weight,) if isinstance(weight, torch.Tensor) else weight
+    weights = _members(weight)
     if merged is None:
         return weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
     down = merged.down_t.t()
