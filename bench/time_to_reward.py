@@ -23,9 +23,9 @@ the median over seeds.
 
 Times include loading the model (both sides load the same cached safetensors folder, built before
 the first run). Each run is its own subprocess (this file with `--worker`), ours and TRL alternating
-seed by seed, so load from other programs on a shared machine hits both alike. A run that never reaches the target within
-`--max-steps` counts with its full time and `--max-steps` + 1 steps (a lower bound: the medians then
-say ">="), and the JSON says how many runs reached it. The last line is JSON:
+seed by seed, so load from other programs on a shared machine hits both alike. A run that never
+reaches the target within `--max-steps` counts with its full time and `--max-steps` + 1 steps (a
+lower bound: the medians then say ">="), and the JSON says how many runs reached it. The last line is JSON:
 `{"ours_s", "trl_s", "ratio", "ours_steps", "trl_steps", "seeds", ...}` with ratio = ours_s / trl_s.
 """
 

@@ -33,6 +33,7 @@ from torch import Tensor
 from art_core.rollouts.groups import TrajectoryGroup
 from art_core.rollouts.records import CONTEXT_LENGTH_EXCEEDED
 from art_core.training.advantages import group_advantages, mean_std
+from art_core.training.config import LossNormaliser
 from art_core.training.logprobs import IGNORE_INDEX
 from art_core.training.sequences import NoTrainableTokensError, TokenSequence, trajectory_sequences
 
@@ -105,7 +106,7 @@ class PreparedBatch:
             )
         return BatchTotals.counting(self.scored_tokens)
 
-    def normalisers(self, over: str) -> BatchTotals:
+    def normalisers(self, over: LossNormaliser) -> BatchTotals:
         """`totals` for over="scored", `BatchTotals.of(examples)` for over="trained"."""
         if over == "trained":
             return BatchTotals.of(self.examples)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import InitVar, dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
     from peft import LoraConfig
 
 MatmulPrecision = Literal["auto", "ieee", "bf16", "tf32"]
+LossNormaliser = Literal["scored", "trained"]
+"""Which sequences a loss is averaged over (`LossConfig.normalise_over`)."""
 PRECISIONS: tuple[str, ...] = ("auto", "ieee", "bf16", "tf32")
 
 # (epsilon, epsilon_high) used when the config leaves them as None.
@@ -47,7 +49,7 @@ class LossConfig:
     tis_cap: float | None = 2.0
     """Truncated importance sampling: per-token weight min(exp(old_logprobs - engine_logprobs), tis_cap);
     None disables it (weight 1)."""
-    normalise_over: str = "scored"
+    normalise_over: LossNormaliser = "scored"
     """Which sequences the loss is averaged over (`num_sequences`, `num_tokens`): "scored", every
     sequence of the step's scored groups, zero-variance groups included, as in GRPO's batch mean
     and TRL; or "trained", only those with a non-zero advantage, which makes a step with one
@@ -63,7 +65,7 @@ class LossConfig:
                 )
         if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
             raise ValueError(f"kl_coef must be a finite number >= 0 (0 disables KL), got {self.kl_coef}")
-        if self.normalise_over not in ("scored", "trained"):
+        if self.normalise_over not in get_args(LossNormaliser):
             raise ValueError(f"normalise_over must be 'scored' or 'trained', got {self.normalise_over!r}")
         if self.tis_cap is not None and not (math.isfinite(self.tis_cap) and self.tis_cap > 0):
             raise ValueError(
