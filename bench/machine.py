@@ -68,17 +68,24 @@ def onednn_isa() -> str:
 
 
 def machine_header() -> str:
-    """One line: CPU model, core count, features, torch's ATen ISA, oneDNN's ISA, bf16 probes."""
+    """One line: CPU model, core count, features, torch's ATen ISA, oneDNN's ISA, bf16 probes (and
+    the measured bf16 speedup that the "auto" choices go by)."""
     import torch
 
-    from art_core.models.hardware import cpu_has_native_bf16, onednn_packs_bf16
+    from art_core.models.hardware import (
+        bf16_matmul_speedup,
+        cpu_bf16_pays,
+        cpu_has_native_bf16,
+        onednn_packs_bf16,
+    )
 
     caps = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
     return (
         f"cpu: {cpu_model()} ({os.cpu_count()} CPUs; {' '.join(cpu_features()) or 'no AVX2'}); "
         f"torch {torch.__version__} ISA {torch.backends.cpu.get_cpu_capability()}; "
         f"oneDNN ISA {onednn_isa()}; native bf16 {cpu_has_native_bf16()}, "
-        f"bf16 packing {onednn_packs_bf16()}" + (f"; caps {caps}" if caps else "")
+        f"bf16 packing {onednn_packs_bf16()}, bf16 matmul {bf16_matmul_speedup():.2f}x float32's, "
+        f"bf16 pays {cpu_bf16_pays()}" + (f"; caps {caps}" if caps else "")
     )
 
 

@@ -58,14 +58,15 @@ DTYPES = ("auto", "bfloat16", "float32")
 
 
 def resolved_dtype(name: str) -> str:
-    """`--dtype` as every side runs it: "auto" is bfloat16 where this CPU has native bf16 matmuls
-    (AMX-BF16 or AVX512-BF16), else float32 (bf16 is emulated and several times slower there); what
-    our engine's `serve_dtype="auto"` picks for a LoRA model, so every side is measured at it."""
+    """`--dtype` as every side runs it: "auto" is bfloat16 where this CPU's bf16 matmuls pay (native
+    AMX-BF16 or AVX512-BF16, and measured faster than float32: `hardware.cpu_bf16_pays`), else
+    float32; what our engine's `serve_dtype="auto"` picks for a LoRA model, so every side is
+    measured at it."""
     if name != "auto":
         return name
-    from art_core.models.hardware import cpu_has_native_bf16
+    from art_core.models.hardware import cpu_bf16_pays
 
-    return "bfloat16" if cpu_has_native_bf16() else "float32"
+    return "bfloat16" if cpu_bf16_pays() else "float32"
 
 
 def dtype_of(name: str) -> Any:

@@ -177,8 +177,8 @@ async def run_demo(config: DemoConfig, on_step: StepCallback | None = None) -> D
 
     # "head": where the adapter is served merged (a bf16 copy), only the head's decode weight is
     # packed: every LoRA step re-merges the other weights (and would repack them), and packing them
-    # all costs ~0.5 GB of the demo's 3 GB. Where it is served unmerged (float32 on a CPU without
-    # native bf16, `EngineConfig.serve_unmerged`), every base weight is packed, with the LoRA update
+    # all costs ~0.5 GB of the demo's 3 GB. Where it is served unmerged (float32 on a CPU where bf16
+    # does not pay, `EngineConfig.serve_unmerged`), every base weight is packed, with the LoRA update
     # merged into the same buffers after each step, in the merged copy's place (docs/benchmarks.md,
     # "`art demo`"). No prefix cache: each step's new weights
     # empty it before the next step's prompts could hit, and the rows of a step share their

@@ -72,7 +72,8 @@ class EngineConfig:
     starts (the trainer's), "__base__" = the base model (also what a plain model serves)."""
     serve_dtype: torch.dtype | str = "auto"
     """dtype of the serving copy. "auto": bfloat16 for a peft model where the hardware has fast bf16
-    (CUDA, or a CPU with AMX or AVX512-BF16), else the model's dtype; a plain model is then served as
+    (CUDA, or a CPU with AMX or AVX512-BF16 where a bf16 matmul measures faster than float32:
+    `hardware.cpu_bf16_pays`), else the model's dtype; a plain model is then served as
     it is (no copy). A dtype: always that one (a plain model in another dtype gets a cast copy). bf16
     logprobs differ from the fp32 trainer's (SmolLM2: ~0.03 nats on average, up to ~0.15), a mismatch
     the trainer's truncated importance sampling corrects; float32 reproduces peft's logprobs to ~1e-5."""
@@ -80,7 +81,7 @@ class EngineConfig:
     """Serve the adapter unmerged: the trainer's own base weights (shared, not copied) plus the
     adapter's low-rank update in every adapted projection (`lora_serving.UnmergedWeights`), instead
     of a merged copy. Only where the serving dtype is the model's. None (auto): where the base
-    weights are packed for decoding (`pack_weights`): a float32 model on a CPU without native bf16.
+    weights are packed for decoding (`pack_weights`): a float32 model on a CPU where bf16 does not pay.
     There the packed copies take the merged copy's place in memory, and a train step merges the
     new update into them in place (float32 decode steps multiply by base + update as one packed
     matrix), with no second copy of the weights. True: whenever the dtype allows it; False:
@@ -88,9 +89,9 @@ class EngineConfig:
     pack_weights: bool | Literal["head"] | None = None
     """Decode through oneDNN-packed copies of the serving copy's matmul weights (CPU only; one more
     copy of those weights in memory: ~540 MB for SmolLM2-135M in float32, half that in bf16). None:
-    bf16 weights where oneDNN packs them, and float32 weights on a CPU without native bf16 (where
+    bf16 weights where oneDNN packs them, and float32 weights on a CPU where bf16 does not pay (where
     float32 is what "auto" serves: 1.3-1.5x a decode step on an AVX2-only AMD EPYC, see
-    docs/benchmarks.md); float32 is not packed where bf16 is native (not measured there). True:
+    docs/benchmarks.md); float32 is not packed where bf16 is served (not measured there). True:
     pack whatever oneDNN packs; False: never. "head": the output head only (the largest matmul of a
     decode step, and one a LoRA step never re-merges, so it is packed once: 113 MB more for
     SmolLM2-135M in float32; what `art demo` does within its memory budget). An unmerged serving

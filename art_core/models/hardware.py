@@ -1,8 +1,12 @@
-"""Hardware probes: what this machine's CPU and kernel libraries can do, asked of its features.
+"""Hardware probes: what this machine's CPU and kernel libraries can do, asked of its features
+and, where features do not settle it, measured.
 
 Choices that pay on one CPU and not another (a bf16 serving copy, oneDNN-packed weights, bf16
 training matmuls) are made by these probes: the CPU's features as torch's cpuinfo reports them,
-and the ISA cap oneDNN is run under, never the CPU's vendor or model name. Each answer is cached
+the ISA cap oneDNN is run under, and for bf16 a timed matmul, never the CPU's vendor or model
+name. Native bf16 instructions do not make bf16 the faster choice everywhere: with AMX a bf16
+matmul ran 4.4x float32's rate and on an AMD EPYC with AVX512-BF16 2.4x, but on an Intel Xeon with
+AVX512-BF16 and no AMX it ran at half float32's rate (docs/benchmarks.md). Each answer is cached
 for the process. Shared by the engine (serving dtype, packing) and the trainer (matmul precision).
 """
 
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 import torch
 
@@ -71,3 +76,45 @@ def onednn_packs_bf16() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+BF16_SPEEDUP_NEEDED = 1.25
+"""How much faster than float32 a bf16 matmul must measure (`bf16_matmul_speedup`) for the "auto"
+choices to take bf16. Measured ratios so far: 0.5 (Intel AVX512-BF16, no AMX), 2.4 (AMD EPYC
+AVX512-BF16), 4.4 (Intel AMX); 1.25 leaves either side a wide margin for a noisy measurement."""
+
+BF16_PROBE_SHAPE = (512, 576, 1536)
+"""(rows, in, out) of the probe's matmul: a projection of SmolLM2-135M in a train step (~0.9 GFLOP;
+3-6 ms a call on 2 cores without AMX). Large enough that the first calls' thread wake-ups do not
+decide it: at 32 or 256 rows, a process's first measurement came out up to 2x off."""
+
+
+def bf16_matmul_speedup(shape: tuple[int, int, int] = BF16_PROBE_SHAPE, repeats: int = 5) -> float:
+    """float32's time over bf16's for one `F.linear` of `shape` (rows, in, out) on this CPU, at
+    torch's current thread count: the best of `repeats` calls each, taken in turns so that a burst
+    of other work slows both sides alike. Above 1, bf16 is faster. Not cached; see `cpu_bf16_pays`."""
+    rows, fan_in, fan_out = shape
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, fan_in, generator=generator)
+    w = torch.randn(fan_out, fan_in, generator=generator)
+    sides = {torch.float32: (x, w), torch.bfloat16: (x.to(torch.bfloat16), w.to(torch.bfloat16))}
+    best = dict.fromkeys(sides, float("inf"))
+    with torch.inference_mode():
+        for _ in range(2):  # warm-up: oneDNN builds its kernels on first use; threads wake up
+            for a, b in sides.values():
+                torch.nn.functional.linear(a, b)
+        for _ in range(repeats):
+            for dtype, (a, b) in sides.items():
+                started = time.perf_counter()
+                torch.nn.functional.linear(a, b)
+                best[dtype] = min(best[dtype], time.perf_counter() - started)
+    return best[torch.float32] / max(best[torch.bfloat16], 1e-9)
+
+
+@functools.cache
+def cpu_bf16_pays() -> bool:
+    """Whether the "auto" choices compute in bf16 on this CPU (a bf16 serving copy, bf16 training
+    matmuls): it has native bf16 (`cpu_has_native_bf16`) and a bf16 matmul measures at least
+    `BF16_SPEEDUP_NEEDED` times float32's rate (`bf16_matmul_speedup`, ~20 ms, once a process).
+    Otherwise float32, which such a CPU then packs for decoding as it does without native bf16."""
+    return cpu_has_native_bf16() and bf16_matmul_speedup() >= BF16_SPEEDUP_NEEDED

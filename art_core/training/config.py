@@ -166,8 +166,9 @@ class TrainConfig:
     """Positions per chunk when computing log-probs, so full-vocabulary logits never exist at once."""
     matmul_precision: MatmulPrecision = "auto"
     """How float32 matmuls are computed while training (weights and optimizer stay float32):
-    "auto" is bf16 inputs with float32 accumulation on CPUs with native bf16 (AVX512-BF16/AMX; the
-    frozen base projections then run on bf16 copies of their weights, `training.bf16_base`),
+    "auto" is bf16 inputs with float32 accumulation on CPUs where that pays (native AVX512-BF16/AMX
+    and a bf16 matmul measured faster than float32's, `hardware.cpu_bf16_pays`; the frozen base
+    projections then run on bf16 copies of their weights, `training.bf16_base`),
     TF32 on CUDA GPUs and exact float32 elsewhere; "ieee" is always exact; see `art_core.training.precision`."""
     beta: InitVar[float | None] = None
     """ART 0.4's KL coefficient (a k3 KL term in the loss, to the base model): sets `loss.kl_coef`.

@@ -11,7 +11,8 @@ The trainer keeps its weights, activations, gradients and optimizer state in the
   fast-math mode, which rounds to bf16 with AMX but computes exact float32 on AVX512-BF16 CPUs
   without it (torch 2.13). Log-probs move by ~0.01-0.04 nats.
 - "tf32": TF32 tensor cores on CUDA GPUs (Ampere and newer).
-- "auto": "bf16" on a CPU with native bf16, "tf32" on a CUDA GPU, "ieee" otherwise.
+- "auto": "bf16" on a CPU where it pays (native bf16, and a bf16 matmul measured faster than a
+  float32 one: `hardware.cpu_bf16_pays`), "tf32" on a CUDA GPU, "ieee" otherwise.
 
 Mixed precision is what users of other trainers get by default: TRL's `GRPOConfig(bf16=True)` (its
 default) runs the forward under bf16 autocast; GPUs train in bf16. `matmul_precision` scopes the
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from art_core.models.hardware import cpu_has_native_bf16
+from art_core.models.hardware import cpu_bf16_pays, cpu_has_native_bf16
 from art_core.training.config import PRECISIONS, MatmulPrecision
 
 
@@ -43,7 +44,7 @@ def resolve_precision(precision: MatmulPrecision, device: torch.device) -> str:
         return precision
     if device.type == "cuda":
         return "tf32"
-    if device.type == "cpu" and cpu_has_native_bf16():
+    if device.type == "cpu" and cpu_bf16_pays():
         return "bf16"
     return "ieee"
 

@@ -301,16 +301,16 @@ def test_a_packed_head_alone_gives_the_same_logits(dtype: torch.dtype) -> None:
 
 
 def test_float32_packing_follows_the_cpu_and_the_setting() -> None:
-    """`pack_weights`' auto choice for float32: packed where bf16 is not native (float32 is what
-    such a CPU serves), plain where it is; False never packs, in either dtype."""
+    """`pack_weights`' auto choice for float32: packed where bf16 does not pay (float32 is what
+    such a CPU serves), plain where it does; False never packs, in either dtype."""
     from art_core.engine.torch.decode_step import PACKED_WEIGHTS, pack_weights
-    from art_core.models.hardware import cpu_has_native_bf16
+    from art_core.models.hardware import cpu_bf16_pays
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
     auto = tiny_llama(layers=1).eval()
-    assert pack_weights(auto) == (not cpu_has_native_bf16())
-    assert hasattr(auto, PACKED_WEIGHTS) == (not cpu_has_native_bf16())
+    assert pack_weights(auto) == (not cpu_bf16_pays())
+    assert hasattr(auto, PACKED_WEIGHTS) == (not cpu_bf16_pays())
     for dtype in (torch.float32, torch.bfloat16):
         never = tiny_llama(layers=1).to(dtype).eval()
         assert not pack_weights(never, False) and not hasattr(never, PACKED_WEIGHTS)

@@ -14,7 +14,7 @@ from art_core.engine.torch.kv_cache import growing_cache
 from art_core.engine.torch.lora_serving import UnmergedLinear, UnmergedWeights
 from art_core.engine.torch.serving_copy import serving_copy
 from art_core.engine.torch.serving_weights import MergedWeights, UnsupportedAdapterError
-from art_core.models.hardware import cpu_has_native_bf16
+from art_core.models.hardware import cpu_bf16_pays
 from art_core.models.loading import LoadedModel
 from art_core.training.config import LoRAConfig
 from art_core.training.lora import attach_lora
@@ -160,13 +160,11 @@ def test_a_fused_groups_projections_update_through_views_of_its_stacked_update(
 
 
 def test_the_auto_choice_serves_unmerged_exactly_where_float32_is_packed(tiny_model: LoadedModel) -> None:
-    """`serving_copy` with `unmerged` None: unmerged where the float32 base is packed (a CPU without
-    native bf16), merged elsewhere; False: always merged; True: unmerged; a bf16 copy: merged."""
+    """`serving_copy` with `unmerged` None: unmerged where the float32 base is packed (a CPU where
+    bf16 does not pay), merged elsewhere; False: always merged; True: unmerged; a bf16 copy: merged."""
     peft = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8), adapter_name="live")
     auto = serving_copy(peft, None, torch.float32)
-    assert isinstance(auto, UnmergedWeights) == (
-        not cpu_has_native_bf16() and torch.backends.mkldnn.is_available()
-    )
+    assert isinstance(auto, UnmergedWeights) == (not cpu_bf16_pays() and torch.backends.mkldnn.is_available())
     assert isinstance(serving_copy(peft, None, torch.float32, unmerged=False), MergedWeights)
     assert isinstance(serving_copy(peft, None, torch.float32, unmerged=True), UnmergedWeights)
     assert isinstance(serving_copy(peft, None, torch.bfloat16, unmerged=True), MergedWeights)

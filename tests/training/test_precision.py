@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 from collections.abc import Iterator
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from art_core.models import hardware
-from art_core.models.hardware import cpu_has_native_bf16, onednn_packs_bf16
+from art_core.models.hardware import cpu_bf16_pays, cpu_has_native_bf16, onednn_packs_bf16
 from art_core.models.loading import LoadedModel
 from art_core.training import precision
 from art_core.training.batch import BatchTotals
@@ -25,14 +26,15 @@ pytestmark = pytest.mark.isa  # float results depend on the CPU's kernels (see .
 CPU = torch.device("cpu")
 
 
-def test_auto_is_bf16_exactly_where_the_cpu_has_native_bf16() -> None:
-    assert resolve_precision("auto", CPU) == ("bf16" if cpu_has_native_bf16() else "ieee")
+def test_auto_is_bf16_exactly_where_bf16_pays_on_this_cpu() -> None:
+    assert resolve_precision("auto", CPU) == ("bf16" if cpu_bf16_pays() else "ieee")
     assert resolve_precision("auto", torch.device("cuda")) == "tf32"
     assert resolve_precision("ieee", CPU) == "ieee"
 
 
 def test_bf16_on_a_cpu_without_it_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_bf16_pays", lambda: False)
     assert resolve_precision("auto", CPU) == "ieee"
     with pytest.raises(ValueError, match="native bf16"):
         resolve_precision("bf16", CPU)
@@ -70,7 +72,7 @@ def test_a_train_step_uses_the_precision_and_stays_close_to_exact(tiny_model: Lo
     again_loss, again = _loss_and_grads(tiny_model, dataclasses.replace(config, matmul_precision="ieee"))
     auto_loss, auto = _loss_and_grads(tiny_model, config)
     assert again_loss == exact_loss and torch.equal(again, exact)  # exact mode is deterministic
-    if not cpu_has_native_bf16():
+    if not cpu_bf16_pays():
         assert auto_loss == exact_loss and torch.equal(auto, exact)
         return
     assert not torch.equal(auto, exact), "auto should compute the matmuls in bf16 on this CPU"
@@ -92,11 +94,12 @@ def _cpu_flags() -> set[str] | None:
 @pytest.fixture
 def fresh_probes() -> Iterator[None]:
     """Clear the cached hardware probes before and after a test that changes what they see."""
-    hardware.cpu_has_native_bf16.cache_clear()
-    hardware.onednn_packs_bf16.cache_clear()
+    probes = (hardware.cpu_has_native_bf16, hardware.onednn_packs_bf16, hardware.cpu_bf16_pays)
+    for probe in probes:
+        probe.cache_clear()
     yield
-    hardware.cpu_has_native_bf16.cache_clear()
-    hardware.onednn_packs_bf16.cache_clear()
+    for probe in probes:
+        probe.cache_clear()
 
 
 @pytest.mark.parametrize("features", [(), ("avx512_bf16",), ("amx_tile",), ("avx512_bf16", "amx_tile")])
@@ -105,6 +108,7 @@ def test_native_bf16_follows_the_cpu_features_and_the_onednn_cap(
     monkeypatch: pytest.MonkeyPatch, fresh_probes: None, features: tuple[str, ...], cap: str | None
 ) -> None:
     monkeypatch.setattr(hardware, "_cpu_feature", lambda name: name in features)
+    monkeypatch.setattr(hardware, "bf16_matmul_speedup", lambda: 2.0)  # a CPU where bf16 is faster
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     if cap is None:
         monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
@@ -114,6 +118,40 @@ def test_native_bf16_follows_the_cpu_features_and_the_onednn_cap(
     expected = bool(features) and not capped and torch.backends.mkldnn.is_available()
     assert hardware.cpu_has_native_bf16() is expected
     assert resolve_precision("auto", CPU) == ("bf16" if expected else "ieee")
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("speedup", [0.5, 1.1, 1.3, 4.4])
+def test_bf16_pays_where_it_is_native_and_measures_faster(
+    monkeypatch: pytest.MonkeyPatch, fresh_probes: None, native: bool, speedup: float
+) -> None:
+    """Native bf16 is not enough: on an Intel Xeon with AVX512-BF16 and no AMX a bf16 matmul ran at
+    half float32's rate. Without native bf16 nothing is measured (an emulated bf16 matmul is slow)."""
+    timed: list[float] = []
+
+    def measured() -> float:
+        timed.append(speedup)
+        return speedup
+
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(hardware, "bf16_matmul_speedup", measured)
+    pays = native and speedup >= hardware.BF16_SPEEDUP_NEEDED
+    assert hardware.cpu_bf16_pays() is pays
+    assert hardware.cpu_bf16_pays() is pays and len(timed) == int(native)  # measured once, if at all
+    assert resolve_precision("auto", CPU) == ("bf16" if pays else "ieee")
+    if native:  # an explicit "bf16" is the user's choice wherever bf16 is native, paying or not
+        assert resolve_precision("bf16", CPU) == "bf16"
+
+
+def test_the_bf16_speedup_is_a_real_measurement_and_decides_where_bf16_is_emulated() -> None:
+    """The probe times real matmuls; where bf16 is emulated (no native bf16, or oneDNN capped below
+    it, as in CI's ISA reruns) it must measure slower than float32."""
+    speedup = hardware.bf16_matmul_speedup((32, 256, 512), repeats=3)
+    assert math.isfinite(speedup) and speedup > 0
+    if not cpu_has_native_bf16() and torch.backends.mkldnn.is_available():
+        assert speedup < hardware.BF16_SPEEDUP_NEEDED, "an emulated bf16 matmul measured faster than float32"
+        assert cpu_bf16_pays() is False
 
 
 def test_native_bf16_agrees_with_the_cpus_own_flags() -> None:
@@ -155,15 +193,15 @@ def test_decode_steps_pack_bf16_weights_only_where_onednn_can(
     model = tiny_llama().to(torch.bfloat16)
     assert decode_step.pack_weights(model) is packs
     assert hasattr(model, decode_step.PACKED_WEIGHTS) is packs
-    monkeypatch.setattr(decode_step, "cpu_has_native_bf16", lambda: True)
-    assert decode_step.pack_weights(tiny_llama()) is False  # float32 is not packed where bf16 is native
-    monkeypatch.setattr(decode_step, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(decode_step, "cpu_bf16_pays", lambda: True)
+    assert decode_step.pack_weights(tiny_llama()) is False  # float32 is not packed where bf16 is served
+    monkeypatch.setattr(decode_step, "cpu_bf16_pays", lambda: False)
     if torch.backends.mkldnn.is_available():  # ...and is where it is not (float32 is served there)
         assert decode_step.pack_weights(tiny_llama()) is True
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_the_auto_serving_copy_is_bf16_exactly_where_bf16_is_native(
+def test_the_auto_serving_copy_is_bf16_exactly_where_bf16_pays(
     tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
     from art_core.engine.torch import serving_weights
@@ -171,7 +209,7 @@ def test_the_auto_serving_copy_is_bf16_exactly_where_bf16_is_native(
     from art_core.training.config import LoRAConfig
     from art_core.training.lora import attach_lora
 
-    monkeypatch.setattr(serving_weights, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(serving_weights, "cpu_bf16_pays", lambda: native)
     peft = attach_lora(copy.deepcopy(tiny_model.model), LoRAConfig(r=4, alpha=8))
     merged = serving_copy(peft, "default", "auto")
     assert merged is not None

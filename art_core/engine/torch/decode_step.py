@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from art_core.engine.torch.packed_layout import write_merged
-from art_core.models.hardware import cpu_has_native_bf16, onednn_packs_bf16
+from art_core.models.hardware import cpu_bf16_pays, onednn_packs_bf16
 from art_core.models.llama_ops import PLAIN_RMS_NORMS, layer_types, plain_layer_math, signed_sin
 from art_core.models.llama_ops import rotate_signed as rotate
 
@@ -538,8 +538,8 @@ def pack_weights(model: Any, pack: bool | Literal["head"] | None = None) -> bool
     use and remade when the weight was written since (its version counter: the serving copy's
     re-merges write in place), so they never serve stale weights. They cost one more copy of the
     matmul weights in memory. Returns whether packing is on: `pack` None (auto) packs bf16 weights
-    where oneDNN can (`hardware.onednn_packs_bf16`) and float32 weights where the CPU has no native
-    bf16 (`hardware.cpu_has_native_bf16`; SmolLM2, 32 rows x 576 -> 3072 in float32 on an AVX2-only
+    where oneDNN can (`hardware.onednn_packs_bf16`) and float32 weights where bf16 does not pay
+    (`hardware.cpu_bf16_pays`: no native bf16, or bf16 measured slower; SmolLM2, 32 rows x 576 -> 3072 in float32 on an AVX2-only
     CPU: ~860 us packed against ~1560 us plain, the 49152-row head 17 ms against 45 ms); True
     packs either dtype oneDNN packs; False never. "head": only the output head, in either dtype
     oneDNN packs: the largest matmul of a step, and one that LoRA training never changes (no
@@ -558,7 +558,7 @@ def packable(dtype: torch.dtype, device: torch.device, pack: bool | Literal["hea
         return False
     if dtype == torch.bfloat16:
         return onednn_packs_bf16()
-    return dtype == torch.float32 and (pack in (True, "head") or not cpu_has_native_bf16())
+    return dtype == torch.float32 and (pack in (True, "head") or not cpu_bf16_pays())
 
 
 def _apply(

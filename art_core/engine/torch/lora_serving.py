@@ -1,8 +1,8 @@
 """An unmerged serving copy: the trainer's own base weights, no merged copy of them, the LoRA update live.
 
 `MergedWeights` keeps a second model whose weights are `W + s B A`: in a serving dtype other than
-the trainer's (bf16 where it is native) that copy is needed anyway, and the merge is free. Where the
-serving dtype *is* the trainer's (float32 on CPUs without native bf16) the merged copy is 425 MB
+the trainer's (bf16 where it pays) that copy is needed anyway, and the merge is free. Where the
+serving dtype *is* the trainer's (float32 on CPUs where bf16 does not pay) the merged copy is 425 MB
 held beside the same base weights (SmolLM2-135M), rewritten after every train step, and packed
 again for the decode step on top of that (`decode_step.pack_weights`).
 

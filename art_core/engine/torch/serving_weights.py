@@ -36,7 +36,7 @@ from art_core.engine.torch.decode_step import (
     fuse_projections,
     pack_weights,
 )
-from art_core.models.hardware import cpu_has_native_bf16
+from art_core.models.hardware import cpu_bf16_pays
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +66,11 @@ BASE_TARGET = "__base__"
 
 
 def fast_bf16(device: torch.device) -> bool:
-    """Whether bf16 matmuls are native on `device`: CUDA, or a CPU with AMX-BF16 or AVX512-BF16."""
+    """Whether bf16 matmuls are the fast choice on `device`: CUDA, or a CPU with native bf16 where a
+    bf16 matmul measures faster than a float32 one (`hardware.cpu_bf16_pays`)."""
     if device.type == "cuda":
         return True
-    return device.type == "cpu" and cpu_has_native_bf16()
+    return device.type == "cpu" and cpu_bf16_pays()
 
 
 def peft_model_of(model: nn.Module) -> bool:
