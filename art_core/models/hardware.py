@@ -115,6 +115,7 @@ def bf16_matmul_speedup(shape: tuple[int, int, int] = BF16_PROBE_SHAPE, repeats:
 def cpu_bf16_pays() -> bool:
     """Whether the "auto" choices compute in bf16 on this CPU (a bf16 serving copy, bf16 training
     matmuls): it has native bf16 (`cpu_has_native_bf16`) and a bf16 matmul measures at least
-    `BF16_SPEEDUP_NEEDED` times float32's rate (`bf16_matmul_speedup`, ~20 ms, once a process).
-    Otherwise float32, which such a CPU then packs for decoding as it does without native bf16."""
+    `BF16_SPEEDUP_NEEDED` times float32's rate (`bf16_matmul_speedup`: ~0.17 s on 2 cores without
+    AMX, once a process). Otherwise float32, which such a CPU then packs for decoding as it does
+    without native bf16."""
     return cpu_has_native_bf16() and bf16_matmul_speedup() >= BF16_SPEEDUP_NEEDED
