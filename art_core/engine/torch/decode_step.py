@@ -539,11 +539,12 @@ def pack_weights(model: Any, pack: bool | Literal["head"] | None = None) -> bool
     re-merges write in place), so they never serve stale weights. They cost one more copy of the
     matmul weights in memory. Returns whether packing is on: `pack` None (auto) packs bf16 weights
     where oneDNN can (`hardware.onednn_packs_bf16`) and float32 weights where bf16 does not pay
-    (`hardware.cpu_bf16_pays`: no native bf16, or bf16 measured slower; SmolLM2, 32 rows x 576 -> 3072 in float32 on an AVX2-only
-    CPU: ~860 us packed against ~1560 us plain, the 49152-row head 17 ms against 45 ms); True
-    packs either dtype oneDNN packs; False never. "head": only the output head, in either dtype
-    oneDNN packs: the largest matmul of a step, and one that LoRA training never changes (no
-    re-merge repacks it), for one more copy of the head alone (SmolLM2-135M: 113 MB in float32).
+    (`hardware.cpu_bf16_pays`: no native bf16, or bf16 measured slower; SmolLM2, 32 rows x 576 ->
+    3072 in float32 on an AVX2-only CPU: ~860 us packed against ~1560 us plain, the 49152-row head
+    17 ms against 45 ms); True packs either dtype oneDNN packs; False never. "head": only the
+    output head, in either dtype oneDNN packs: the largest matmul of a step, and one that LoRA
+    training never changes (no re-merge repacks it), for one more copy of the head alone
+    (SmolLM2-135M: 113 MB in float32).
     """
     parameter = next(model.parameters())
     usable = packable(parameter.dtype, parameter.device, pack)
