@@ -80,12 +80,15 @@ def machine_header() -> str:
     )
 
     caps = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
+    # timed only where bf16 is native, as `cpu_bf16_pays` does: an emulated bf16 matmul of the
+    # probe's shape can take seconds on an AVX2-only CPU
+    speedup = f"bf16 matmul {bf16_matmul_speedup():.2f}x float32's, " if cpu_has_native_bf16() else ""
     return (
         f"cpu: {cpu_model()} ({os.cpu_count()} CPUs; {' '.join(cpu_features()) or 'no AVX2'}); "
         f"torch {torch.__version__} ISA {torch.backends.cpu.get_cpu_capability()}; "
         f"oneDNN ISA {onednn_isa()}; native bf16 {cpu_has_native_bf16()}, "
-        f"bf16 packing {onednn_packs_bf16()}, bf16 matmul {bf16_matmul_speedup():.2f}x float32's, "
-        f"bf16 pays {cpu_bf16_pays()}" + (f"; caps {caps}" if caps else "")
+        f"bf16 packing {onednn_packs_bf16()}, {speedup}bf16 pays {cpu_bf16_pays()}"
+        + (f"; caps {caps}" if caps else "")
     )
 
 

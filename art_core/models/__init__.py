@@ -1,7 +1,7 @@
 """Base models: loading (local path, hub cache, the SmolLM2 GGUF, the tiny random test model) and
 the chat template (tool-call format, prompt rendering), the Llama ops our decode step and training
-forward share (`llama_ops`: rotary embedding), and the hardware probes (`hardware`:
-native bf16 and whether it pays, oneDNN bf16 packing) that the engine and the trainer choose their kernels by.
+forward share (`llama_ops`: rotary embedding), and the hardware probes (`hardware`: native bf16
+and whether it pays, oneDNN bf16 packing) that the engine and the trainer choose their kernels by.
 
 Exports `load_model`, `load_tokenizer`, `LoadedModel`, `resolve_model_path`, `ModelNotFoundError`
 and `render_prompt`. Lazy: loading imports transformers and torch.
