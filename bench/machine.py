@@ -73,16 +73,15 @@ def machine_header() -> str:
     import torch
 
     from art_core.models.hardware import (
-        bf16_matmul_speedup,
         cpu_bf16_pays,
+        cpu_bf16_speedup,
         cpu_has_native_bf16,
         onednn_packs_bf16,
     )
 
     caps = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
-    # timed only where bf16 is native, as `cpu_bf16_pays` does: an emulated bf16 matmul of the
-    # probe's shape can take seconds on an AVX2-only CPU
-    speedup = f"bf16 matmul {bf16_matmul_speedup():.2f}x float32's, " if cpu_has_native_bf16() else ""
+    measured = cpu_bf16_speedup()  # the measurement `cpu_bf16_pays` decides by (None: not native)
+    speedup = "" if measured is None else f"bf16 matmul {measured:.2f}x float32's, "
     return (
         f"cpu: {cpu_model()} ({os.cpu_count()} CPUs; {' '.join(cpu_features()) or 'no AVX2'}); "
         f"torch {torch.__version__} ISA {torch.backends.cpu.get_cpu_capability()}; "

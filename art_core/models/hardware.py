@@ -112,10 +112,17 @@ def bf16_matmul_speedup(shape: tuple[int, int, int] = BF16_PROBE_SHAPE, repeats:
 
 
 @functools.cache
+def cpu_bf16_speedup() -> float | None:
+    """`bf16_matmul_speedup()` on this CPU, measured once a process (~0.17 s on 2 cores without
+    AMX); None where bf16 is not native (`cpu_has_native_bf16`): nothing is timed there, since an
+    emulated bf16 matmul of the probe's shape can take seconds."""
+    return bf16_matmul_speedup() if cpu_has_native_bf16() else None
+
+
 def cpu_bf16_pays() -> bool:
     """Whether the "auto" choices compute in bf16 on this CPU (a bf16 serving copy, bf16 training
-    matmuls): it has native bf16 (`cpu_has_native_bf16`) and a bf16 matmul measures at least
-    `BF16_SPEEDUP_NEEDED` times float32's rate (`bf16_matmul_speedup`: ~0.17 s on 2 cores without
-    AMX, once a process). Otherwise float32, which such a CPU then packs for decoding as it does
-    without native bf16."""
-    return cpu_has_native_bf16() and bf16_matmul_speedup() >= BF16_SPEEDUP_NEEDED
+    matmuls): it has native bf16 and a bf16 matmul measures at least `BF16_SPEEDUP_NEEDED` times
+    float32's rate (`cpu_bf16_speedup`). Otherwise float32, which such a CPU then packs for
+    decoding as it does without native bf16."""
+    speedup = cpu_bf16_speedup()
+    return speedup is not None and speedup >= BF16_SPEEDUP_NEEDED

@@ -94,7 +94,7 @@ def _cpu_flags() -> set[str] | None:
 @pytest.fixture
 def fresh_probes() -> Iterator[None]:
     """Clear the cached hardware probes before and after a test that changes what they see."""
-    probes = (hardware.cpu_has_native_bf16, hardware.onednn_packs_bf16, hardware.cpu_bf16_pays)
+    probes = (hardware.cpu_has_native_bf16, hardware.onednn_packs_bf16, hardware.cpu_bf16_speedup)
     for probe in probes:
         probe.cache_clear()
     yield
